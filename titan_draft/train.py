@@ -1,0 +1,329 @@
+"""Trainer: wires config, data, target, draft, optimizer, checkpoints and metrics.
+
+Run with ``python -m titan_draft.train --job.config_file train_configs/debug_model.toml`` or through
+``run_train.sh`` (torchrun).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+
+from titan_draft.components.checkpoint import CheckpointManager
+from titan_draft.components.export import export_draft
+from titan_draft.components.float8 import Float8Converter
+from titan_draft.components.lr_scheduler import build_lr_scheduler
+from titan_draft.components.metrics import MetricsLogger, get_peak_flops
+from titan_draft.components.optimizer import build_optimizer
+from titan_draft.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from titan_draft.components.target import build_target, compute_features
+from titan_draft.config import ConfigManager, validate_job_config, write_job_config
+from titan_draft.config.job_config import JobConfig
+from titan_draft.data.pipeline import build_dataloader
+from titan_draft.data.tokenizer import build_tokenizer
+from titan_draft.distributed.parallelize import apply_fsdp_frozen
+from titan_draft.distributed.utils import ParallelDims, destroy_distributed, init_distributed, set_seed
+from titan_draft.logger import init_logger, logger
+from titan_draft.protocols import get_model_spec
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+class TrainState:
+    """Loop counters saved with every checkpoint."""
+
+    def __init__(self):
+        self.step = 0
+        self.tokens_seen = 0
+
+    def state_dict(self):
+        return {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)}
+
+    def load_state_dict(self, sd):
+        self.step = int(sd["step"])
+        self.tokens_seen = int(sd["tokens_seen"])
+
+
+def resolve_model_args(spec, cfg: JobConfig, target_args, static_shapes: bool):
+    """Flavor args + [model.args] overrides + facts taken from the target."""
+    if cfg.model.flavor not in spec.flavors:
+        raise ValueError(f"model.flavor: {cfg.model.flavor!r} is not a {spec.name} flavor ({sorted(spec.flavors)})")
+    args = spec.flavors[cfg.model.flavor]
+    names = {f.name for f in dataclasses.fields(args)}
+    unknown = sorted(set(cfg.model.args) - names)
+    if unknown:
+        raise ValueError(f"model.args: unknown {spec.name} arg(s) {unknown}; known: {sorted(names)}")
+    args = dataclasses.replace(args, **cfg.model.args)
+    if args.hidden_size != target_args.hidden_size:
+        raise ValueError(
+            f"model: draft hidden_size {args.hidden_size} != target hidden_size {target_args.hidden_size}; "
+            "the draft uses the target's embedding and lm_head, so they must match"
+        )
+    layer_ids = list(cfg.target.capture_layers) or list(
+        spec.capture_layers_fn(args, target_args.num_hidden_layers)
+    )
+    bad = [i for i in layer_ids if not 0 <= i < target_args.num_hidden_layers]
+    if bad:
+        raise ValueError(
+            f"target.capture_layers: ids {bad} are outside the target's {target_args.num_hidden_layers} layers"
+        )
+    return dataclasses.replace(
+        args,
+        target_layer_ids=layer_ids,
+        num_target_layers=target_args.num_hidden_layers,
+        vocab_size=target_args.vocab_size,
+        target_hidden_size=target_args.hidden_size,
+        static_anchors=static_shapes,
+    )
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.dist = init_distributed(cfg)
+        self.device = self.dist.device
+        self.parallel_dims = ParallelDims(dp_shard=cfg.parallelism.data_parallel_shard_degree, world_size=self.dist.world_size)
+        self.dp_mesh = self.parallel_dims.build_mesh(self.device.type)
+        self.dp_rank, self.dp_world = self.dist.rank, self.dist.world_size
+        on_gpu = self.device.type == "cuda"
+        set_seed(cfg.training.seed)
+        os.makedirs(cfg.job.dump_folder, exist_ok=True)
+
+        self.spec = get_model_spec(cfg.model.name)
+        self.tokenizer = build_tokenizer("qwen3")
+
+        # Target: built whole on this device, frozen tables copied into the draft, then sharded.
+        target_dtype = _DTYPES[cfg.target.dtype] if on_gpu else torch.float32
+        self.target = build_target(cfg, self.device, target_dtype)
+        self.model_args = resolve_model_args(self.spec, cfg, self.target.args, cfg.training.static_shapes)
+        self.layer_ids = list(self.model_args.target_layer_ids)
+
+        pad_multiple = 16 if cfg.float8.enable else 1
+        self.dataloader = build_dataloader(
+            cfg.data,
+            self.tokenizer,
+            dp_rank=self.dp_rank,
+            dp_world=self.dp_world,
+            local_batch_size=cfg.training.local_batch_size,
+            seed=cfg.training.seed,
+            static_shapes=cfg.training.static_shapes,
+            pad_multiple=pad_multiple,
+        )
+        self.total_steps = self._total_steps()
+
+        torch.manual_seed(cfg.training.seed)
+        with torch.device(self.device):
+            model = self.spec.model_cls(self.model_args)
+        with torch.no_grad():
+            model.init_weights()
+        tmodel = self.target.model
+        model.load_frozen_tables(tmodel.embed_weight(), tmodel.lm_head_weight())
+        apply_fsdp_frozen(tmodel, self.dp_mesh, blocks=tmodel.layers, param_dtype=cfg.target.dtype if on_gpu else "float32")
+
+        self.float8 = Float8Converter(cfg, self.parallel_dims)
+        self.model = self.spec.parallelize_fn(model, self.parallel_dims, cfg, self.float8, dp_mesh=self.dp_mesh)
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        n_params = sum(p.numel() for p in self.params)
+
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device.type)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, self.total_steps)
+        self.train_state = TrainState()
+        self.checkpointer = CheckpointManager(
+            cfg.checkpoint,
+            cfg.job.dump_folder,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            dataloader=self.dataloader,
+            train_state=self.train_state,
+            dp_rank=self.dp_rank,
+            dp_world=self.dp_world,
+        )
+        self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device.type)
+        self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device)) if on_gpu else None
+
+        self.run_info = {
+            "device": str(self.device),
+            "backend": self.dist.backend,
+            "world_size": self.dp_world,
+            "draft": f"{cfg.model.name}/{cfg.model.flavor}",
+            "draft_trainable_params": n_params,
+            "target": self.target.source,
+            "target_dtype": str(target_dtype).replace("torch.", ""),
+            "capture_layers": self.layer_ids,
+            "param_dtype": self._param_dtype_name(),
+            "static_shapes": cfg.training.static_shapes,
+            "compile": cfg.compile.enable,
+            "float8": self.float8.describe() if hasattr(self.float8, "describe") else self.float8.enabled,
+            "activation_checkpoint": cfg.activation_checkpoint.mode,
+            "attention": "flex (compiled)" if on_gpu else "sdpa with dense mask (cpu)",
+            "total_steps": self.total_steps,
+            "global_batch_size": cfg.training.local_batch_size * cfg.training.grad_accum_steps * self.dp_world,
+        }
+        logger.info("run: " + json.dumps(self.run_info))
+        if self.dist.rank == 0:
+            write_job_config(cfg, os.path.join(cfg.job.dump_folder, "job_config.toml"))
+            with open(os.path.join(cfg.job.dump_folder, "run_info.json"), "w") as f:
+                json.dump(self.run_info, f, indent=2)
+
+    def _param_dtype_name(self) -> str:
+        return self.cfg.training.mixed_precision_param if self.device.type == "cuda" else "float32"
+
+    def _total_steps(self) -> int:
+        t = self.cfg.training
+        if t.epochs <= 0:
+            return t.steps
+        per_step = t.local_batch_size * t.grad_accum_steps
+        steps_per_epoch = max(1, self.dataloader.rows_per_rank // per_step)
+        return t.epochs * steps_per_epoch
+
+    # ---- one optimizer step ----
+
+    def _generator(self, step: int, micro: int) -> torch.Generator:
+        """Anchor sampling RNG derived from (seed, step, micro-batch, rank): a resumed run samples the
+        same anchors as an uninterrupted one without saving RNG state."""
+        g = torch.Generator(device=self.device)
+        seed = (self.cfg.training.seed * 1_000_003 + step) * 1_000_003 + micro * 7919 + self.dp_rank * 104_729
+        g.manual_seed(seed % (2**63))
+        return g
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict:
+        step = self.train_state.step
+        self.model.set_train_progress(step, self.total_steps) if hasattr(self.model, "set_train_progress") else None
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, torch.Tensor] = {}
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        denom = torch.zeros((), device=self.device, dtype=torch.float64)
+        for micro, batch in enumerate(micro_batches):
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            features = compute_features(self.target.model, batch, self.layer_ids, self.spec.needs_last_hidden)
+            out = self.model(features, generator=self._generator(step, micro))
+            out.loss_sum.backward()
+            loss_sum += out.loss_sum.detach().double()
+            denom += out.loss_denominator.detach().double()
+            for name, (num, den) in out.metrics.items():
+                pair = torch.stack([num.detach().double(), den.detach().double()])
+                sums[name] = sums[name] + pair if name in sums else pair
+        # One all-reduce for the denominator, the loss and every metric.
+        names = sorted(sums)
+        flat = torch.cat([torch.stack([loss_sum, denom])] + [sums[n] for n in names])
+        if self.dp_world > 1:
+            torch.distributed.all_reduce(flat)
+        global_denom = flat[1]
+        # FSDP averaged the gradients over DP ranks; turn that into sum / global denominator.
+        scale = (self.dp_world / global_denom.clamp(min=1e-12)).float()
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        max_norm = self.cfg.training.max_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.float8.post_optimizer_hook(self.model)
+        self.lr_scheduler.step()
+        return {"flat": flat, "names": names, "grad_norm": grad_norm}
+
+    # ---- loop ----
+
+    def train(self) -> dict[int, float]:
+        """Run to the last step; returns the global loss of every logged step."""
+        cfg = self.cfg
+        start = self.checkpointer.load()
+        if start:
+            logger.info(f"resumed from step {start} ({self.checkpointer.folder})")
+        data_iter = iter(self.dataloader)
+        losses: dict[int, float] = {}
+        accum = cfg.training.grad_accum_steps
+        window_start, window_steps, window_tokens, window_samples, window_wait = time.perf_counter(), 0, 0, 0, 0.0
+        with maybe_enable_profiling(cfg.profiling, cfg.job.dump_folder, self.train_state.step, self.dist.rank) as prof, \
+                maybe_enable_memory_snapshot(cfg.profiling, cfg.job.dump_folder, self.train_state.step, self.dist.rank) as snap:
+            while self.train_state.step < self.total_steps:
+                t0 = time.perf_counter()
+                micro_batches = [next(data_iter) for _ in range(accum)]
+                window_wait += time.perf_counter() - t0
+                self.train_state.step += 1
+                step = self.train_state.step
+                tokens = sum(int(b["valid_lengths"].sum()) for b in micro_batches)
+                self.train_state.tokens_seen += tokens
+                window_tokens += tokens
+                window_samples += sum(b["input_ids"].shape[0] for b in micro_batches)
+                window_steps += 1
+                out = self.train_step(micro_batches)
+                if self.metrics.should_log(step, self.total_steps):
+                    flat = out["flat"].tolist()
+                    loss = flat[0] / max(flat[1], 1e-12)
+                    losses[step] = loss
+                    elapsed = time.perf_counter() - window_start
+                    scalars = {
+                        "loss": loss,
+                        "lr": self.lr_scheduler.get_last_lr()[0],
+                        "grad_norm": float(out["grad_norm"]),
+                        "tokens_per_s": window_tokens / elapsed,
+                        "samples_per_s": window_samples * self.dp_world / elapsed,
+                        "step_time_s": elapsed / window_steps,
+                        "data_wait_s": window_wait / window_steps,
+                    }
+                    for i, name in enumerate(out["names"]):
+                        num, den = flat[2 + 2 * i], flat[3 + 2 * i]
+                        scalars[name] = num / den if den > 0 else 0.0
+                    if self.peak_flops and self.spec.flops_fn is not None:
+                        b0 = micro_batches[0]["input_ids"]
+                        flops = self.spec.flops_fn(self.model_args, b0.shape[0], b0.shape[1]) * accum
+                        scalars["mfu"] = 100.0 * flops / (elapsed / window_steps) / self.peak_flops
+                    self.metrics.log(step, scalars, self.total_steps)
+                    skipped = self.dataloader.skip_counts
+                    if skipped and step == 1 or (skipped and step == self.total_steps):
+                        logger.info(f"data rows skipped on rank {self.dp_rank}: {dict(skipped)}")
+                    window_start, window_steps, window_tokens, window_samples, window_wait = time.perf_counter(), 0, 0, 0, 0.0
+                self.checkpointer.save(step, force=step == self.total_steps)
+                if prof is not None:
+                    prof.step()
+                if snap is not None:
+                    snap.step()
+                if step == 1 and self.dist.world_size > 1 and self.device.type == "cuda":
+                    # the first step is done: tighten the collective timeout from the init value
+                    torch.distributed.distributed_c10d._set_pg_timeout(
+                        timedelta(seconds=cfg.comm.train_timeout_seconds), None
+                    ) if hasattr(torch.distributed.distributed_c10d, "_set_pg_timeout") else None
+        if cfg.checkpoint.export:
+            out_dir = os.path.join(cfg.job.dump_folder, cfg.checkpoint.export_folder)
+            export_draft(
+                self.model,
+                self.spec.export_fn,
+                self.model_args,
+                {**self.target.info, "capture_layers": self.layer_ids},
+                out_dir,
+                dtype=cfg.checkpoint.export_dtype,
+                extra_config={"step": self.train_state.step, "run": self.run_info},
+                is_rank0=self.dist.rank == 0,
+            )
+            logger.info(f"exported draft to {out_dir}")
+        return losses
+
+    def close(self):
+        self.metrics.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    init_logger()
+    cfg = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
+    validate_job_config(cfg, logger)
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
