@@ -1,0 +1,17 @@
+"""Data: tokenizer (tiktoken), chat templates + loss masks, row sources, torchdata pipeline."""
+
+from titan_draft.data.chat_template import render_chat
+from titan_draft.data.pipeline import ChatDataLoader, build_dataloader
+from titan_draft.data.sources import SKIP_REASONS, load_rows, normalize_sharegpt
+from titan_draft.data.tokenizer import Tokenizer, build_tokenizer
+
+__all__ = [
+    "SKIP_REASONS",
+    "ChatDataLoader",
+    "Tokenizer",
+    "build_dataloader",
+    "build_tokenizer",
+    "load_rows",
+    "normalize_sharegpt",
+    "render_chat",
+]

@@ -11,6 +11,7 @@ assistant span; no prefix re-encoding tricks, no regex over decoded text.
 from __future__ import annotations
 
 import itertools
+import unicodedata
 from typing import Sequence
 
 from titan_draft.data.tokenizer import Tokenizer
@@ -53,6 +54,10 @@ def _render_qwen(turns: Sequence[Turn], system_prompt: str) -> tuple[str, list[t
     for role, text in turns:
         if role not in ROLES:
             raise ValueError(f"unknown chat role {role!r}; expected one of {ROLES}")
+        # The tokenizer NFC-normalizes; spans must be measured on the text it actually encodes.
+        # Per turn equals the whole string: nothing composes with the "\n" before a text or the
+        # "<" after it.
+        text = unicodedata.normalize("NFC", text)
         start = add(f"<|im_start|>{role}\n")
         end = add(f"{text}<|im_end|>")
         add("\n")
@@ -82,9 +87,12 @@ def render_chat(
     check_template(template)
     text, spans = _render_qwen(turns, system_prompt)
     ids = tokenizer.encode(text, allow_special=True)
-    # Start byte of each token; the token bytes tile the UTF-8 text exactly, so a running sum of
-    # their lengths is each token's offset.
-    starts = itertools.accumulate((len(b) for b in tokenizer.token_bytes(ids)), initial=0)
+    # Start byte of each token: the token bytes tile the UTF-8 text, so a running sum of their
+    # lengths is each token's offset.
+    starts = list(itertools.accumulate((len(b) for b in tokenizer.token_bytes(ids)), initial=0))
+    if starts[-1] != len(text.encode("utf-8")):
+        # Only possible if encode() changed the text (normalization); the mask would be shifted.
+        raise RuntimeError("chat template: token bytes do not cover the rendered text")
     mask = [False] * len(ids)
     span_iter = iter(spans)
     span = next(span_iter, None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import unicodedata
 
 import tiktoken
 import tiktoken.load
@@ -93,9 +94,12 @@ class Tokenizer:
     def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
         """Token ids of ``text``.
 
-        With ``allow_special`` (the default, as HF tokenizers do) special-token strings in the text
-        become their special ids; without it they are encoded as ordinary text, never an error.
+        The text is NFC-normalized first, as the HF Qwen tokenizer's normalizer does (decomposed
+        accents would otherwise give different ids than the server sees). With ``allow_special``
+        (the default, as HF tokenizers do) special-token strings in the text become their special
+        ids; without it they are encoded as ordinary text, never an error.
         """
+        text = unicodedata.normalize("NFC", text)
         if allow_special:
             return self.encoding.encode(text, allowed_special="all")
         return self.encoding.encode(text, allowed_special=set(), disallowed_special=())

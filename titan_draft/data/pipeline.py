@@ -1,0 +1,219 @@
+"""The online dataloader: conversations -> padded token batches, one pipeline per DP rank.
+
+    ChatSourceNode (shard, shuffle, render, truncate, skip+count)
+      -> Batcher(local_batch_size) -> Mapper(collate) -> [Prefetcher] -> Loader
+
+The Prefetcher snapshots the source node's state with every batch it reads ahead, so the
+Loader's state describes what the training loop consumed, not what the background thread read.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from typing import Any, Optional
+
+import torch
+import torchdata.nodes as tn
+
+from titan_draft.data.chat_template import check_template
+from titan_draft.data.source_node import STATE_KEY, ChatSourceNode, Sample
+from titan_draft.data.sources import SKIP_REASONS, load_rows
+from titan_draft.data.tokenizer import Tokenizer
+
+__all__ = ["ChatDataLoader", "build_dataloader", "collate_chat"]
+
+logger = logging.getLogger(__name__)
+
+
+def collate_chat(
+    samples: list[Sample], *, pad_id: int, max_length: int, static_shapes: bool, pad_multiple: int
+) -> dict[str, torch.Tensor]:
+    """Pad samples into ``input_ids [B,S]``, ``loss_mask [B,S]`` and ``valid_lengths [B]``.
+
+    ``S`` is ``max_length`` with static shapes (one shape per run for compiled blocks), else the
+    longest sample rounded up to ``pad_multiple``. Padding is ``pad_id`` with mask False.
+    """
+    lengths = [len(ids) for ids, _ in samples]
+    if static_shapes:
+        seq_len = max_length
+    else:
+        seq_len = -(-max(lengths) // pad_multiple) * pad_multiple
+    input_ids = torch.full((len(samples), seq_len), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(samples), seq_len), dtype=torch.bool)
+    for i, (ids, mask) in enumerate(samples):
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        loss_mask[i, : len(mask)] = torch.tensor(mask, dtype=torch.bool)
+    return {
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "valid_lengths": torch.tensor(lengths, dtype=torch.long),
+    }
+
+
+class _Collate:
+    """Picklable partial of ``collate_chat``."""
+
+    def __init__(self, **kwargs: Any):
+        self.kwargs = kwargs
+
+    def __call__(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
+        return collate_chat(samples, **self.kwargs)
+
+
+def _find_source_state(state: Any) -> Optional[dict[str, Any]]:
+    """The ChatSourceNode state nested somewhere in a Loader state (its layout is torchdata's)."""
+    if isinstance(state, dict):
+        if STATE_KEY in state:
+            return state[STATE_KEY]
+        for value in state.values():
+            found = _find_source_state(value)
+            if found is not None:
+                return found
+    return None
+
+
+class ChatDataLoader:
+    """Infinite, resumable iterator of padded batches for one DP rank.
+
+    ``state_dict()`` follows torchtitan: the state is pickled under a per-rank key (so DCP keeps
+    every rank's copy) next to the DP world size, which must not change on resume.
+
+    Args:
+        loader: the Loader over the pipeline whose first node is ``source``.
+        source: the pipeline's source node (it may run ahead in the Prefetcher's thread; its
+            consumed position is read from the Loader state, never from the node itself).
+        dp_rank, dp_world: this rank's index and the DP size.
+    """
+
+    def __init__(self, loader: tn.Loader, source: ChatSourceNode, *, dp_rank: int, dp_world: int):
+        self._loader = loader
+        self._source = source
+        self._it: Optional[Any] = None
+        self.dp_rank = dp_rank
+        self.dp_world = dp_world
+        self.rows_per_rank = len(source.rows)
+        """Rows this rank owns (one epoch of this rank reads each of them once)."""
+
+    @property
+    def _rank_key(self) -> str:
+        return f"dp_rank_{self.dp_rank}"
+
+    def __iter__(self) -> "ChatDataLoader":
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._it is None:
+            self._it = iter(self._loader)
+        return next(self._it)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            self._rank_key: pickle.dumps(self._loader.state_dict()),
+            "world_size": self.dp_world,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("world_size") != self.dp_world:
+            raise ValueError(
+                f"data: the dataloader state was saved with {state_dict.get('world_size')} DP "
+                f"ranks, this run has {self.dp_world}; the data order cannot be resharded"
+            )
+        if self._rank_key not in state_dict:
+            raise ValueError(f"data: the dataloader state has no entry for {self._rank_key}")
+        self._loader.load_state_dict(pickle.loads(state_dict[self._rank_key]))
+        # Apply it now, so a state_dict() taken before the next batch returns the loaded state.
+        self._it = iter(self._loader)
+
+    def _source_state(self) -> dict[str, Any]:
+        state = _find_source_state(self._loader.state_dict())
+        assert state is not None, "ChatSourceNode state not found in the Loader state"
+        return state
+
+    @property
+    def skip_counts(self) -> dict[str, int]:
+        """Rows skipped so far per reason (every reason, zeros included, so logged series are
+        stable), up to the last batch handed out; cumulative over epochs."""
+        counts = self._source_state()["skip_counts"]
+        return {reason: counts.get(reason, 0) for reason in SKIP_REASONS}
+
+    @property
+    def epoch(self) -> int:
+        """Epoch (0-based) of the next row this rank will read."""
+        return self._source_state()["epoch"]
+
+
+def build_dataloader(
+    data_cfg: Any,
+    tokenizer: Tokenizer,
+    *,
+    dp_rank: int,
+    dp_world: int,
+    local_batch_size: int,
+    seed: int,
+    static_shapes: bool,
+    pad_multiple: int = 1,
+) -> ChatDataLoader:
+    """Build this DP rank's dataloader from the ``[data]`` config section.
+
+    Args:
+        data_cfg: ``JobConfig.data``.
+        tokenizer: the target's tokenizer (``build_tokenizer``).
+        dp_rank, dp_world: this rank's index and the number of DP ranks (rows are split by them).
+        local_batch_size: samples per batch (``training.local_batch_size``).
+        seed: shuffle seed (``training.seed``).
+        static_shapes: pad every batch to ``data.max_length`` (``training.static_shapes``).
+        pad_multiple: without static shapes, round the batch length up to this multiple.
+
+    Raises:
+        ValueError: naming the config key, for a missing or empty source, an unknown template or
+            an invalid size.
+    """
+    try:
+        check_template(data_cfg.chat_template)
+    except ValueError as e:
+        raise ValueError(f"data.chat_template: {e}") from None
+    if data_cfg.max_length <= 0:
+        raise ValueError(f"data.max_length: must be > 0, got {data_cfg.max_length}")
+    if data_cfg.prefetch_factor < 0:
+        raise ValueError(f"data.prefetch_factor: must be >= 0, got {data_cfg.prefetch_factor}")
+    if local_batch_size <= 0:
+        raise ValueError(f"training.local_batch_size: must be > 0, got {local_batch_size}")
+    if pad_multiple <= 0:
+        raise ValueError(f"pad_multiple must be > 0, got {pad_multiple}")
+
+    rows, total = load_rows(
+        data_cfg.source, max_rows=data_cfg.max_rows, dp_rank=dp_rank, dp_world=dp_world
+    )
+    if not rows:
+        raise ValueError(
+            f"data.source: {total} rows (data.max_rows={data_cfg.max_rows}) leave DP rank "
+            f"{dp_rank} of {dp_world} with none"
+        )
+    logger.info(
+        "data: %s, %d rows, %d on DP rank %d/%d, template %s, max_length %d, %s shapes",
+        data_cfg.source, total, len(rows), dp_rank, dp_world, data_cfg.chat_template,
+        data_cfg.max_length, "static" if static_shapes else "dynamic",
+    )  # fmt: skip
+
+    source = ChatSourceNode(
+        rows,
+        tokenizer,
+        template=data_cfg.chat_template,
+        system_prompt=data_cfg.system_prompt,
+        max_length=data_cfg.max_length,
+        seed=seed,
+        shuffle=data_cfg.shuffle,
+    )
+    node: tn.BaseNode = tn.Batcher(source, batch_size=local_batch_size, drop_last=True)
+    collate = _Collate(
+        pad_id=tokenizer.pad_id,
+        max_length=data_cfg.max_length,
+        static_shapes=static_shapes,
+        pad_multiple=pad_multiple,
+    )
+    node = tn.Mapper(node, collate)
+    if data_cfg.prefetch_factor > 0:
+        # snapshot_frequency=1: a snapshot per batch, so a resume never replays or loses one.
+        node = tn.Prefetcher(node, prefetch_factor=data_cfg.prefetch_factor, snapshot_frequency=1)
+    return ChatDataLoader(tn.Loader(node), source, dp_rank=dp_rank, dp_world=dp_world)

@@ -1,0 +1,140 @@
+"""The pipeline's source node: this DP rank's rows -> ``(input_ids, loss_mask)`` samples.
+
+Everything that decides which row comes next lives in this node's small state (epoch, position,
+skip counts); the permutation is recomputed from ``(seed, epoch)`` on resume rather than stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Optional
+
+import torch
+import torchdata.nodes as tn
+
+from titan_draft.data.chat_template import render_chat
+from titan_draft.data.sources import normalize_sharegpt
+from titan_draft.data.tokenizer import Tokenizer
+
+__all__ = ["ChatSourceNode", "Sample", "STATE_KEY"]
+
+Sample = tuple[list[int], list[bool]]
+
+# Key that marks this node's state inside the nested Loader state (see pipeline._find_source_state).
+STATE_KEY = "chat_source"
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    # A real hash, not seed + epoch: neighbouring seeds must not replay each other's epochs.
+    digest = hashlib.sha256(f"titan_draft.data:{seed}:{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class ChatSourceNode(tn.BaseNode[Sample]):
+    """Yields ``(input_ids, loss_mask)`` of this rank's rows, epoch after epoch, forever.
+
+    Args:
+        rows: this DP rank's raw rows (``load_rows``).
+        tokenizer: the target's tokenizer.
+        template: chat template name.
+        system_prompt: system turn for conversations without one.
+        max_length: tokens kept per sample (longer samples are truncated).
+        seed: shuffle seed (``training.seed``).
+        shuffle: permute the rows each epoch; otherwise read them in source order.
+
+    Unusable rows are skipped and counted per reason; the counts are cumulative over epochs (a
+    bad row is counted again each time it comes round).
+    """
+
+    def __init__(
+        self,
+        rows: list[Any],
+        tokenizer: Tokenizer,
+        *,
+        template: str,
+        system_prompt: str,
+        max_length: int,
+        seed: int,
+        shuffle: bool,
+    ):
+        super().__init__()
+        self.rows = rows
+        self.tokenizer = tokenizer
+        self.template = template
+        self.system_prompt = system_prompt
+        self.max_length = max_length
+        self.seed = seed
+        self.shuffle = shuffle
+        self._epoch = 0
+        self._position = 0
+        self._skip_counts: dict[str, int] = {}
+        self._order: list[int] = []
+
+    def _set_epoch(self, epoch: int) -> None:
+        self._epoch = epoch
+        if self.shuffle:
+            g = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
+            self._order = torch.randperm(len(self.rows), generator=g).tolist()
+        else:
+            self._order = list(range(len(self.rows)))
+
+    def reset(self, initial_state: Optional[dict[str, Any]] = None) -> None:
+        super().reset(initial_state)
+        if initial_state is None:
+            self._set_epoch(0)
+            self._position = 0
+            self._skip_counts = {}
+            return
+        state = initial_state[STATE_KEY]
+        if state["num_rows"] != len(self.rows):
+            # Positions index a permutation of this many rows; any other count resumes elsewhere.
+            raise ValueError(
+                f"data: the dataloader state was saved with {state['num_rows']} rows on this DP "
+                f"rank but the source now gives {len(self.rows)} (data.source / data.max_rows "
+                f"changed?)"
+            )
+        self._set_epoch(state["epoch"])
+        self._position = state["position"]
+        self._skip_counts = dict(state["skip_counts"])
+
+    def _skip(self, reason: str) -> None:
+        self._skip_counts[reason] = self._skip_counts.get(reason, 0) + 1
+
+    def _sample(self, row: Any) -> Sample | str:
+        turns = normalize_sharegpt(row)
+        if isinstance(turns, str):
+            return turns
+        ids, mask = render_chat(turns, self.tokenizer, self.template, self.system_prompt)
+        ids, mask = ids[: self.max_length], mask[: self.max_length]
+        if not any(mask):
+            return "no_loss_tokens"
+        return ids, mask
+
+    def next(self) -> Sample:
+        for _ in range(len(self.rows)):
+            row = self.rows[self._order[self._position]]
+            self._position += 1
+            if self._position == len(self.rows):
+                # Roll over now so that the state always names the epoch of the next row.
+                self._set_epoch(self._epoch + 1)
+                self._position = 0
+            sample = self._sample(row)
+            if not isinstance(sample, str):
+                return sample
+            self._skip(sample)
+        # A whole pass without one usable row would otherwise spin forever.
+        raise ValueError(
+            f"data.source: none of this DP rank's {len(self.rows)} rows is usable "
+            f"(skipped: {self._skip_counts})"
+        )
+
+    def get_state(self) -> dict[str, Any]:
+        # Copies: the Prefetcher keeps this snapshot while the node runs ahead in its thread.
+        return {
+            STATE_KEY: {
+                "epoch": self._epoch,
+                "position": self._position,
+                "skip_counts": dict(self._skip_counts),
+                "num_rows": len(self.rows),
+            }
+        }
