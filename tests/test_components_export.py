@@ -1,0 +1,91 @@
+"""export_draft / load_export: serving names, dtypes, provenance, refusal of wrapper prefixes."""
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from titan_draft.components.export import export_draft, load_export
+
+
+class TinyDraft(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 4, bias=False)
+        self.layers = nn.ModuleDict({"0": nn.Linear(4, 4)})
+        self.register_buffer("d2t", torch.arange(5, dtype=torch.int64))  # vocab map stays int
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+
+def tiny_export_fn(state_dict, model_args, target_info):
+    """Renames to serving names, emits one non-contiguous tensor and one tied (shared) tensor."""
+    tensors = {
+        "fc.weight": state_dict["fc.weight"],
+        "midlayer.proj.weight": state_dict["layers.0.weight"].t(),  # non-contiguous view
+        "midlayer.proj.bias": state_dict["layers.0.bias"],
+        "midlayer.proj.bias_tied": state_dict["layers.0.bias"],  # same storage
+        "d2t": state_dict["d2t"],
+    }
+    config = {"architectures": ["TinyDraft"], "hidden_size": model_args["hidden"], **target_info}
+    return tensors, config
+
+
+def test_export_writes_clean_files_and_round_trips(tmp_path):
+    torch.manual_seed(0)
+    model = TinyDraft()
+    out = export_draft(
+        model, tiny_export_fn, {"hidden": 4}, {"target_model_type": "qwen3"}, str(tmp_path / "export"),
+        dtype="bfloat16", extra_config={"step": 42, "capture_layers": [1, 5, 9]},
+    )
+    assert out == str(tmp_path / "export")
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "titan_draft_export.json"]
+    tensors, config = load_export(out)
+    assert config == {"architectures": ["TinyDraft"], "hidden_size": 4, "target_model_type": "qwen3"}
+    assert sorted(tensors) == sorted(["fc.weight", "midlayer.proj.weight", "midlayer.proj.bias",
+                                      "midlayer.proj.bias_tied", "d2t"])
+    assert tensors["fc.weight"].dtype == torch.bfloat16
+    assert tensors["d2t"].dtype == torch.int64 and torch.equal(tensors["d2t"], torch.arange(5))
+    assert torch.equal(tensors["midlayer.proj.weight"], model.layers["0"].weight.detach().t().bfloat16())
+    assert torch.equal(tensors["fc.weight"], model.fc.weight.detach().bfloat16())
+    assert torch.equal(tensors["midlayer.proj.bias_tied"], tensors["midlayer.proj.bias"])
+    with open(os.path.join(out, "titan_draft_export.json")) as f:
+        prov = json.load(f)
+    assert prov["step"] == 42 and prov["capture_layers"] == [1, 5, 9]
+    assert prov["export_dtype"] == "bfloat16" and prov["num_tensors"] == 5
+    assert not any(name.endswith(".tmp") for name in os.listdir(out))
+
+
+def test_float32_export_with_tied_tensors(tmp_path):
+    # No cast means no copy: tied tensors still share storage and must not trip safetensors.
+    tensors, _ = load_export(export_draft(TinyDraft(), tiny_export_fn, {"hidden": 4}, {},
+                                          str(tmp_path), dtype="float32"))
+    assert tensors["fc.weight"].dtype == torch.float32
+
+
+def test_wrapper_prefixes_are_refused(tmp_path):
+    def leaky(state_dict, model_args, target_info):
+        return {"_orig_mod.fc.weight": state_dict["fc.weight"]}, {}
+
+    with pytest.raises(ValueError, match="_orig_mod.fc.weight"):
+        export_draft(TinyDraft(), leaky, {}, {}, str(tmp_path / "a"))
+    assert not os.path.exists(tmp_path / "a")
+
+    class FsdpLeak(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self._fsdp_wrapped_module = nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match="_fsdp_wrapped_module.weight"):
+        export_draft(FsdpLeak(), lambda sd, a, t: (sd, {}), {}, {}, str(tmp_path / "b"))
+
+
+def test_non_rank0_writes_nothing_and_bad_inputs(tmp_path):
+    assert export_draft(TinyDraft(), tiny_export_fn, {"hidden": 4}, {}, str(tmp_path / "x"),
+                        is_rank0=False) is None
+    assert not os.path.exists(tmp_path / "x")
+    with pytest.raises(ValueError, match="dtype"):
+        export_draft(TinyDraft(), tiny_export_fn, {"hidden": 4}, {}, str(tmp_path / "y"), dtype="int8")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_export(str(tmp_path))

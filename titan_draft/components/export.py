@@ -1,0 +1,168 @@
+"""Export of a trained draft in its serving contract: safetensors + config.json.
+
+The draft's spec owns the mapping to serving names (``export_fn``); this module owns the
+mechanics shared by every draft: gathering the full (unsharded) state dict, refusing leaked
+wrapper prefixes, casting, and writing the files so that a half-written export never looks whole.
+
+Files written to ``out_dir``:
+- ``model.safetensors``: the serving tensors, floating ones cast to ``dtype``, all contiguous.
+- ``config.json``: the serving config returned by ``export_fn``.
+- ``titan_draft_export.json``: provenance (dtype, tensor/param counts, torch version, plus
+  whatever the trainer passes in ``extra_config``: step, capture layers, target, ...).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+PROVENANCE_NAME = "titan_draft_export.json"
+
+# Prefixes that torch.compile, activation checkpointing and FSDP1 wrappers insert into FQNs; a
+# serving engine would not find weights under such names.
+_FORBIDDEN_NAME_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp")
+
+ExportFn = Callable[[dict[str, torch.Tensor], Any, dict], tuple[dict[str, torch.Tensor], dict]]
+"""(full draft state dict, model_args, target_info) -> (serving tensors, config.json dict)."""
+
+
+def _default_is_rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _check_names(names, where: str) -> None:
+    bad = sorted(n for n in names if any(part in n for part in _FORBIDDEN_NAME_PARTS))
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "")
+        raise ValueError(
+            f"export: {where} contains wrapper-prefixed names ({shown}); compile/AC/FSDP wrappers "
+            f"leaked into the FQNs (apply compile in place, AC inside compile)"
+        )
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        resolved = getattr(torch, dtype, None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"export dtype must be a floating torch dtype name, got {dtype!r}")
+    return resolved
+
+
+def _prepare_tensors(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Cast floating tensors to ``dtype`` (others keep theirs), make them contiguous CPU tensors
+    that share no storage (safetensors refuses shared storage, e.g. tied weights)."""
+    out: dict[str, torch.Tensor] = {}
+    seen_storage: set[int] = set()
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"export: value of {name!r} is a {type(t).__name__}, not a tensor")
+        t = t.detach().cpu()
+        if t.is_floating_point():
+            t = t.to(dtype)
+        t = t.contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen_storage and t.numel() > 0:
+            t = t.clone()
+        seen_storage.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def export_draft(
+    model: nn.Module,
+    export_fn: ExportFn,
+    model_args: Any,
+    target_info: dict,
+    out_dir: str,
+    *,
+    dtype: str | torch.dtype = "bfloat16",
+    extra_config: dict | None = None,
+    is_rank0: bool | None = None,
+) -> str | None:
+    """Write the draft's serving files to ``out_dir``; returns ``out_dir`` on rank 0, else None.
+
+    Collective: every rank must call it (gathering the full state dict all-gathers FSDP2 shards);
+    only rank 0 receives the tensors and writes. ``is_rank0`` defaults to the process-group rank
+    (True without a process group).
+    """
+    if is_rank0 is None:
+        is_rank0 = _default_is_rank0()
+    torch_dtype = _resolve_dtype(dtype)
+    # With full_state_dict + cpu_offload, ranks other than 0 get an empty dict, so the full model
+    # is materialized in CPU memory once, not on every GPU.
+    state_dict = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if not is_rank0:
+        return None
+    _check_names(state_dict.keys(), "the draft state dict")
+    tensors, config = export_fn(state_dict, model_args, target_info)
+    _check_names(tensors.keys(), "export_fn's tensors")
+    tensors = _prepare_tensors(tensors, torch_dtype)
+
+    os.makedirs(out_dir, exist_ok=True)
+    weights_path = os.path.join(out_dir, WEIGHTS_NAME)
+    # Write under temporary names and rename, so an interrupted export never leaves a
+    # model.safetensors that looks complete next to a stale config.
+    save_file(tensors, weights_path + ".tmp", metadata={"format": "pt"})
+    os.replace(weights_path + ".tmp", weights_path)
+    _write_json(os.path.join(out_dir, CONFIG_NAME), config)
+
+    provenance = dict(extra_config or {})
+    provenance.update(
+        {
+            "export_dtype": str(torch_dtype).removeprefix("torch."),
+            "num_tensors": len(tensors),
+            "num_params": sum(t.numel() for t in tensors.values()),
+            "tensor_names": sorted(tensors),
+            "torch_version": torch.__version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+    )
+    _write_json(os.path.join(out_dir, PROVENANCE_NAME), provenance)
+    logger.info(
+        "export: wrote %d tensors (%d params, %s) to %s",
+        len(tensors),
+        provenance["num_params"],
+        provenance["export_dtype"],
+        out_dir,
+    )
+    return out_dir
+
+
+def load_export(folder: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read an export back: (tensors from model.safetensors, config.json as a dict)."""
+    weights_path = os.path.join(folder, WEIGHTS_NAME)
+    config_path = os.path.join(folder, CONFIG_NAME)
+    for path in (weights_path, config_path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"export folder {folder} has no {os.path.basename(path)}")
+    tensors = load_file(weights_path)
+    with open(config_path) as f:
+        config = json.load(f)
+    return tensors, config
