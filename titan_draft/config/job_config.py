@@ -136,6 +136,9 @@ class Compile:
     """Compile each draft block in place with torch.compile (flex_attention is compiled anyway)."""
     fullgraph: bool = False
     """Ask torch.compile for a single graph per block (fails loudly on graph breaks)."""
+    backend: str = "inductor"
+    """torch.compile backend: 'inductor' for speed; 'aot_eager' or 'eager' to debug a compile
+    problem (same graphs, no generated kernels)."""
 
 
 @dataclass

@@ -1,0 +1,149 @@
+"""Module transforms a model's ``parallelize_fn`` applies, in torchtitan's order:
+float8 conversion (components/float8.py) -> ``apply_ac`` -> ``apply_compile`` -> ``apply_fsdp``.
+
+All of them work in place on an ``nn.ModuleDict`` of blocks, so parameter FQNs stay those of the
+plain model: checkpoints and exports never see ``_orig_mod.`` (in-place ``Module.compile``) and
+DCP's state-dict helpers strip ``_checkpoint_wrapped_module.``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+logger = logging.getLogger(__name__)
+
+_RESHARD_POLICIES = ("default", "always", "never")
+
+
+def to_dtype(name: str | torch.dtype) -> torch.dtype:
+    """'bfloat16' / 'float32' / 'float16' (or a torch.dtype) -> torch.dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype) or dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"unsupported dtype {name!r} (bfloat16, float16 or float32)")
+    return dtype
+
+
+def apply_ac(blocks: nn.ModuleDict, mode: str) -> None:
+    """Activation checkpointing: with mode 'full' every block recomputes its forward in backward."""
+    if mode == "none":
+        return
+    if mode != "full":
+        raise ValueError(f"activation_checkpoint.mode = {mode!r} must be none or full")
+    for name, block in blocks.named_children():
+        # non-reentrant checkpointing composes with FSDP2 hooks and torch.compile; RNG state is
+        # preserved so a block that draws random numbers recomputes exactly what it computed
+        blocks.register_module(name, checkpoint_wrapper(block, preserve_rng_state=True))
+    logger.info("activation checkpointing: full, %d blocks", len(blocks))
+
+
+def apply_compile(blocks: nn.ModuleDict, fullgraph: bool = False, backend: str = "inductor") -> None:
+    """Compile each block in place. ``Module.compile`` keeps the module object (and with it the
+    FSDP unit boundary and parameter FQNs); ``torch.compile(block)`` would add ``_orig_mod.``.
+    FSDP2's hooks stay outside the graph (dynamo skips them) and run eagerly around each block."""
+    for block in blocks.values():
+        block.compile(fullgraph=fullgraph, backend=backend)
+    logger.info("compiled %d blocks in place (backend=%s, fullgraph=%s)", len(blocks), backend, fullgraph)
+
+
+def _reshard_value(policy: str) -> bool | None:
+    if policy not in _RESHARD_POLICIES:
+        raise ValueError(f"parallelism.fsdp_reshard_after_forward = {policy!r} must be one of "
+                         f"{', '.join(_RESHARD_POLICIES)}")
+    # 'default' frees the unsharded params after forward: there is no pipeline parallelism that
+    # would re-gather them for every micro-batch
+    return {"default": True, "always": True, "never": False}[policy]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    blocks: nn.ModuleDict,
+    extra_groups: Sequence[Sequence[nn.Module]] = (),
+    param_dtype: str | torch.dtype = "bfloat16",
+    reduce_dtype: str | torch.dtype = "float32",
+    reshard_after_forward: str = "default",
+    gradient_divide_factor: float | None = None,
+) -> nn.Module:
+    """FSDP2 in torchtitan's order: each block, then each extra group (e.g. [norm, head]) as one
+    unit, then the root (which takes every parameter left over).
+
+    ``gradient_divide_factor``: None keeps FSDP's mean over the DP ranks. 1.0 sums instead
+    (torchtitan's choice), right when each rank's loss is already divided by the *global*
+    denominator (all-reduced over DP and accumulation) before backward.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=to_dtype(param_dtype), reduce_dtype=to_dtype(reduce_dtype))
+    reshard = _reshard_value(reshard_after_forward)
+    for block in blocks.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    for group in extra_groups:
+        # FSDP prefetches the small tail groups for backward right away, so freeing them after
+        # forward only adds an all-gather; do it only when asked to always reshard
+        fully_shard(list(group), mesh=dp_mesh, mp_policy=mp,
+                    reshard_after_forward=reshard_after_forward == "always")
+    root_kwargs = {} if reshard_after_forward == "default" else {"reshard_after_forward": reshard}
+    # 'default' leaves the root to FSDP's heuristic: it stays unsharded after forward, since
+    # backward would all-gather it again at once
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, **root_kwargs)
+    _set_gradient_reduction(model, dp_mesh, gradient_divide_factor)
+    logger.info("FSDP2: %d blocks + %d extra groups + root over %d ranks (param %s, reduce %s, "
+                "reshard_after_forward=%s, gradient_divide_factor=%s)", len(blocks), len(extra_groups),
+                dp_mesh.size(), mp.param_dtype, mp.reduce_dtype, reshard_after_forward,
+                gradient_divide_factor)
+    return model
+
+
+def _set_gradient_reduction(model: nn.Module, dp_mesh: DeviceMesh, factor: float | None) -> None:
+    # Gloo has no PREMUL_SUM/AVG reduce-scatter: there, reduce with plain SUM and scale separately
+    force_sum = dp_mesh.device_type == "cpu"
+    for module in model.modules():
+        # these setters only reach the module's own parameter group, so visit every FSDP unit
+        if not isinstance(module, FSDPModule):
+            continue
+        if factor is not None:
+            module.set_gradient_divide_factor(factor)
+        if force_sum:
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def apply_fsdp_frozen(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    blocks: nn.ModuleDict,
+    param_dtype: str | torch.dtype = "bfloat16",
+    *,
+    extra_groups: Sequence[Sequence[nn.Module]] = (),
+) -> nn.Module:
+    """FSDP2 for a frozen model that only runs forward (the target): shard each block, each extra
+    group (e.g. the embedding), then the root; everything is freed again right after its forward.
+    """
+    for p in model.parameters():
+        if p.requires_grad:
+            raise ValueError("apply_fsdp_frozen: the model has trainable parameters; freeze it "
+                             "(requires_grad_(False)) first")
+    mp = MixedPrecisionPolicy(param_dtype=to_dtype(param_dtype))
+    for block in blocks.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
+    for group in extra_groups:
+        fully_shard(list(group), mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=True)
+    # FSDP keeps the root's params unsharded after forward on the assumption that backward follows;
+    # a frozen model has no backward, so free them (a no-op where torch already honoured True)
+    model.register_forward_hook(_reshard_root_hook)
+    logger.info("FSDP2 (frozen): %d blocks + %d extra groups + root over %d ranks (param %s)",
+                len(blocks), len(extra_groups), dp_mesh.size(), mp.param_dtype)
+    return model
+
+
+def _reshard_root_hook(module: nn.Module, args, output):
+    module.reshard()
+    return output
