@@ -1,0 +1,97 @@
+"""Attention helpers: one mask function, two backends.
+
+A mask is written once as a flex ``mask_mod(b, h, q_idx, kv_idx) -> bool``. On CUDA it becomes a
+``BlockMask`` for ``flex_attention``, which is always called through a compiled wrapper: eager
+flex materializes the full score matrix. On CPU flex has no backward, so the same ``mask_mod`` is
+evaluated densely into a boolean ``[B, 1, Q, KV]`` mask for ``scaled_dot_product_attention``.
+
+``mask_mod`` must be written with broadcasting tensor ops (no Python branching on values), which
+is what flex's vmap-based tracing requires anyway; the dense path evaluates it once on broadcast
+index grids instead of through vmap.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AttentionMask = BlockMask | torch.Tensor
+
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
+
+# Compiled once at import (compilation itself is lazy). Eager flex_attention materializes the
+# [Q, KV] score matrix, so on CUDA this compiled function is called even from uncompiled blocks;
+# inside a compiled block dynamo inlines it.
+_compiled_flex_attention = torch.compile(flex_attention)
+
+
+def resolve_attention_backend(backend: str, device: torch.device | str) -> str:
+    """``auto`` -> ``flex`` on CUDA, ``sdpa`` elsewhere; ``flex``/``sdpa`` are kept as asked.
+
+    flex on CPU works for forward only (torch has no CPU flex backward); it is allowed so tests
+    can compare both backends.
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attn_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "sdpa"
+    return backend
+
+
+def dense_mask_from_mask_mod(
+    mask_mod: MaskMod, B: int, Q_LEN: int, KV_LEN: int, device: torch.device | str
+) -> torch.Tensor:
+    """Evaluate ``mask_mod`` on broadcast index grids -> bool ``[B, 1, Q_LEN, KV_LEN]``."""
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    q = torch.arange(Q_LEN, device=device).view(1, 1, Q_LEN, 1)
+    kv = torch.arange(KV_LEN, device=device).view(1, 1, 1, KV_LEN)
+    mask = mask_mod(b, h, q, kv)
+    return mask.to(torch.bool).expand(B, 1, Q_LEN, KV_LEN)
+
+
+def build_attention_mask(
+    mask_mod: MaskMod,
+    B: int,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: torch.device | str,
+    backend: str = "auto",
+) -> AttentionMask:
+    """Build the mask for :func:`attention`: a ``BlockMask`` (flex) or a dense bool tensor (sdpa).
+
+    The mask is the same for every head (``H=None``).
+    """
+    resolved = resolve_attention_backend(backend, device)
+    if resolved == "sdpa":
+        return dense_mask_from_mask_mod(mask_mod, B, Q_LEN, KV_LEN, device)
+    # Built eagerly, on purpose: on an H200 (torch 2.11) a cold `_compile=True` build of the
+    # DFlash mask at Q 8192 x KV 12288 took 240 s and recompiles for every new shape, while
+    # the eager build takes ~10 ms and ~1 GiB of transient memory per sample, freed before the
+    # blocks run (so it does not raise the step's peak).
+    return create_block_mask(mask_mod, B, None, Q_LEN, KV_LEN, device=device)
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
+) -> torch.Tensor:
+    """Masked attention with GQA. ``q [B, Hq, Q, D]``, ``k/v [B, Hkv, KV, D]`` -> ``[B, Hq, Q, D]``.
+
+    Dispatches on the mask type built by :func:`build_attention_mask`; scale is ``1/sqrt(D)``.
+    Every query row must see at least one key (an empty row gives NaN under sdpa).
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, BlockMask):
+        if q.is_cuda:
+            return _compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        # CPU flex is forward-only and only used to check it against sdpa; compiling it on CPU
+        # would cost a C++ build for no benefit.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

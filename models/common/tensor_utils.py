@@ -1,0 +1,29 @@
+"""Small helpers for tensors that may be FSDP2-sharded DTensors."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: ``t`` itself, or the all-gathered value of a DTensor (a collective)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def copy_full_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy a full (unsharded) ``src`` into ``dst``, which may be a sharded DTensor.
+
+    For a DTensor every rank must pass the same ``src``; each rank keeps its own shard without
+    any communication (``src_data_rank=None``).
+    """
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(
+            f"shape mismatch: destination {tuple(dst.shape)}, source {tuple(src.shape)}"
+        )
+    if isinstance(dst, DTensor):
+        src = src.to(device=dst.to_local().device, dtype=dst.dtype)
+        dst.copy_(distribute_tensor(src, dst.device_mesh, dst.placements, src_data_rank=None))
+    else:
+        dst.copy_(src)

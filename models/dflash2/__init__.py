@@ -1,0 +1,30 @@
+"""DFlash2 draft (and plain DFlash via the dflash_* flavors); registers ModelSpec ``dflash2``."""
+
+from models.dflash2.args import DFlash2Args, capture_layers, dflash2_flavors
+from models.dflash2.export import export_dflash2
+from models.dflash2.flops import dflash2_flops
+from models.dflash2.model import DFlash2Draft
+from models.dflash2.parallelize import parallelize_dflash2
+from titan_draft.protocols.model_spec import ModelSpec, register_model_spec
+
+register_model_spec(
+    ModelSpec(
+        name="dflash2",
+        flavors=dflash2_flavors,
+        model_cls=DFlash2Draft,
+        parallelize_fn=parallelize_dflash2,
+        capture_layers_fn=capture_layers,
+        export_fn=export_dflash2,
+        flops_fn=dflash2_flops,
+        needs_last_hidden=False,
+    )
+)
+
+__all__ = [
+    "DFlash2Args",
+    "DFlash2Draft",
+    "capture_layers",
+    "dflash2_flavors",
+    "dflash2_flops",
+    "export_dflash2",
+]

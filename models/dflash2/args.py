@@ -1,0 +1,154 @@
+"""DFlash2 / DFlash draft architecture, objective settings and flavors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass
+class DFlash2Args:
+    # --- backbone (Qwen3-style layers) ---
+    hidden_size: int = 4096
+    """Draft width H (must equal the target's: block tokens use the target's embedding)."""
+    intermediate_size: int = 12288
+    """SwiGLU intermediate size."""
+    num_layers: int = 5
+    """Number of draft layers (also the default number of capture layers)."""
+    num_attention_heads: int = 32
+    """Query heads."""
+    num_key_value_heads: int = 8
+    """Key/value heads (GQA)."""
+    head_dim: int = 128
+    """Per-head size."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope_theta: float = 1e6
+    """RoPE base."""
+    max_position_embeddings: int = 40960
+    """Written to config.json for serving."""
+    vocab_size: int = 151936
+    """Target vocabulary size (rows of the frozen embedding / lm_head)."""
+    # --- block diffusion ---
+    block_size: int = 16
+    """Tokens per draft block b: the anchor plus b - 1 mask slots."""
+    num_anchors: int = 512
+    """Blocks sampled per sequence per step (an upper bound unless static_anchors)."""
+    loss_gamma: float = 7.0
+    """Slot k >= 1 has loss weight exp(-(k - 1) / loss_gamma)."""
+    mask_token_id: int = 151669
+    """Target embedding row used for the mask slots (an unused Qwen3 token)."""
+    target_layer_ids: list[int] = field(default_factory=list)
+    """Capture layer ids (SGLang convention); empty until resolved by capture_layers()."""
+    num_target_layers: int = 0
+    """Number of target layers; 0 until resolved."""
+    target_hidden_size: int = 0
+    """Target width H_t feeding fc (0: same as hidden_size)."""
+    # --- DFlash2 grouped dynamic convolutions ---
+    conv_enabled: bool = True
+    """Wrap every attention and MLP sublayer in a grouped dynamic depthwise convolution."""
+    conv_kernel_size: int = 2
+    """Convolution taps (causal within the block)."""
+    conv_group_size: int = 16
+    """Channels sharing one dynamic kernel delta (must divide hidden_size)."""
+    # --- DFlash2 candidate selector ---
+    selector_enabled: bool = True
+    """Train the candidate selector over the unary top-K."""
+    selector_rank: int = 256
+    """Rank r of the predecessor/successor codebooks and the hidden projection."""
+    selector_top_k: int = 16
+    """Candidates per slot (K)."""
+    selector_loss_weight: float = 1.0
+    """alpha: weight of the selector CE after warm-up and ramp."""
+    selector_warmup_ratio: float = 0.0
+    """Fraction of the total steps with alpha = 0."""
+    selector_ramp_ratio: float = 0.0
+    """Fraction of the total steps over which alpha ramps linearly to its value after warm-up."""
+    selector_detach_unary: bool = False
+    """Stop the selector CE's gradient through the unary logits."""
+    output_multiplier: float = 1.0
+    """Logits = softcap(output_multiplier * lm_head(h)) (for CE, accuracy and the selector)."""
+    final_logit_softcapping: float = 0.0
+    """tanh softcap of the logits (0: off)."""
+    # --- execution ---
+    attn_backend: str = "auto"
+    """'auto' (flex on CUDA, sdpa on CPU), 'flex' or 'sdpa'."""
+    static_anchors: bool = False
+    """Always use num_anchors blocks (padded with kept=False), so shapes never change; set by
+    the trainer from training.static_shapes."""
+    ce_chunk_rows: int = 2048
+    """Rows per chunk of the lm_head + cross-entropy pass."""
+
+    @property
+    def fc_in_features(self) -> int:
+        return len(self.target_layer_ids) * (self.target_hidden_size or self.hidden_size)
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.conv_enabled or self.selector_enabled
+
+
+def capture_layers(args: DFlash2Args, num_target_layers: int) -> list[int]:
+    """Capture layer ids for a target with ``num_target_layers`` layers.
+
+    ``args.target_layer_ids`` if set, else DFlash's rule ``round(1 + i * (L - 4) / (n - 1))``
+    for ``i < n = args.num_layers`` (``n = 1`` -> ``[L // 2]``); Qwen3-8B, 5 layers ->
+    ``[1, 9, 17, 25, 33]``.
+    """
+    L, n = num_target_layers, args.num_layers
+    if args.target_layer_ids:
+        ids = list(args.target_layer_ids)
+    elif n == 1:
+        ids = [L // 2]
+    else:
+        ids = [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+    bad = [i for i in ids if not 0 <= i < L]
+    if bad:
+        raise ValueError(f"capture layer ids {bad} out of range for a {L}-layer target")
+    return ids
+
+
+_debug = DFlash2Args(
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    block_size=8,
+    num_anchors=16,
+    loss_gamma=4.0,
+    conv_kernel_size=2,
+    conv_group_size=16,
+    selector_rank=16,
+    selector_top_k=8,
+)
+
+_qwen3_8b = DFlash2Args(
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_layers=5,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    block_size=16,
+    num_anchors=512,
+    loss_gamma=7.0,
+    target_layer_ids=[1, 9, 17, 25, 33],
+    conv_kernel_size=2,
+    conv_group_size=16,
+    selector_rank=256,
+    selector_top_k=16,
+)
+
+dflash2_flavors: dict[str, DFlash2Args] = {
+    "debugmodel": _debug,
+    "qwen3_8b": _qwen3_8b,
+    "dflash_debugmodel": replace(
+        _debug, conv_enabled=False, selector_enabled=False, target_layer_ids=[]
+    ),
+    "dflash_qwen3_8b": replace(
+        _qwen3_8b, conv_enabled=False, selector_enabled=False, target_layer_ids=[1, 9, 17, 25, 33]
+    ),
+}

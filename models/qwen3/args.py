@@ -1,0 +1,78 @@
+"""Qwen3 (dense) target architecture and flavors."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class Qwen3Args:
+    vocab_size: int = 151936
+    """Vocabulary size (rows of embed_tokens and lm_head)."""
+    hidden_size: int = 4096
+    """Model width H."""
+    intermediate_size: int = 12288
+    """SwiGLU intermediate size."""
+    num_hidden_layers: int = 36
+    """Number of decoder layers L."""
+    num_attention_heads: int = 32
+    """Query heads."""
+    num_key_value_heads: int = 8
+    """Key/value heads (GQA)."""
+    head_dim: int = 128
+    """Per-head size (Qwen3 sets it explicitly; not hidden_size / heads)."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope_theta: float = 1e6
+    """RoPE base."""
+    max_position_embeddings: int = 40960
+    """Longest position the checkpoint was trained for (informational; RoPE is not tabled)."""
+    tie_word_embeddings: bool = False
+    """lm_head shares the embedding matrix."""
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "Qwen3Args":
+        """Build from an HF ``config.json`` dict (unknown HF fields are ignored)."""
+        if config.get("model_type") not in (None, "qwen3"):
+            raise ValueError(
+                f"expected a qwen3 config, got model_type={config.get('model_type')!r}"
+            )
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in config.items() if k in names}
+        if config.get("head_dim") is None:
+            kwargs["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+        return cls(**kwargs)
+
+    @classmethod
+    def from_hf_folder(cls, folder: str) -> "Qwen3Args":
+        path = os.path.join(folder, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json in target folder {folder!r}")
+        with open(path) as f:
+            return cls.from_hf_config(json.load(f))
+
+
+qwen3_flavors: dict[str, Qwen3Args] = {
+    "debugmodel": Qwen3Args(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+    "qwen3_8b": Qwen3Args(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    ),
+}

@@ -1,0 +1,168 @@
+"""Frozen Qwen3 target backbone that captures hidden states for draft training.
+
+Submodule names equal HF's ``Qwen3ForCausalLM`` without the ``model.`` prefix, so an HF state
+dict maps 1:1 (see ``state_dict.py``). The target is never trained: ``capture`` runs under
+``no_grad``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from models.common import RMSNorm, SwiGLU, apply_rope, copy_full_, full_tensor, rope_cos_sin
+from models.qwen3.args import Qwen3Args
+
+
+class Qwen3Attention(nn.Module):
+    """Causal GQA self-attention with per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, args: Qwen3Args):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        h, d = args.hidden_size, args.head_dim
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, args.rms_norm_eps)
+        self.k_norm = RMSNorm(d, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Padding sits at the end of each row, so plain causal attention is exact for real tokens.
+        o = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads
+        )
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, args: Qwen3Args):
+        super().__init__()
+        self.self_attn = Qwen3Attention(args)
+        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    """Qwen3 decoder (HF names: ``embed_tokens``, ``layers.{i}``, ``norm``, ``lm_head``).
+
+    Capture-layer convention (SGLang's): layer id ``i`` is the unnormalized output of decoder
+    layer ``i`` (0-indexed), i.e. HF ``output_hidden_states[i + 1]``; ``hidden_states[0]`` (the
+    embeddings) has no id. The last hidden state is taken after the final ``norm``.
+    """
+
+    def __init__(self, args: Qwen3Args):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleDict(
+            {str(i): Qwen3DecoderLayer(args) for i in range(args.num_hidden_layers)}
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic random weights (normal std 0.02, norms 1) for debug/benchmark targets.
+
+        Each parameter is drawn in full from one generator seeded with ``seed`` (parameters in
+        registration order), so the values do not depend on how the model is sharded; they do
+        depend on the device type (CPU and CUDA generators differ).
+        """
+        gens: dict[torch.device, torch.Generator] = {}
+        for name, p in self.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if local.device.type == "meta":
+                raise RuntimeError(
+                    f"init_weights: {name} is on the meta device; call to_empty first"
+                )
+            gen = gens.get(local.device)
+            if gen is None:
+                gen = gens[local.device] = torch.Generator(device=local.device).manual_seed(seed)
+            if name.endswith("norm.weight"):
+                value = torch.ones(p.shape, device=local.device)
+            else:
+                value = torch.empty(p.shape, device=local.device).normal_(0.0, 0.02, generator=gen)
+            copy_full_(p, value.to(p.dtype))
+
+    def _rope(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        # fp32 angles (HF) unless the model itself runs in fp64
+        dtype = torch.promote_types(self.embed_tokens.weight.dtype, torch.float32)
+        return rope_cos_sin(pos, self.args.head_dim, self.args.rope_theta, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        layer_ids: list[int] | None = None,
+        need_last_hidden: bool = True,
+    ):
+        """``layer_ids=None``: logits ``[B, S, V]``; else ``(aux, last_hidden | None)`` as in
+        :meth:`capture`. Capture goes through ``forward`` so FSDP2's root hooks (which unshard
+        the embedding/norm/lm_head group) run; call :meth:`capture` rather than this form.
+        """
+        cos, sin = self._rope(input_ids)
+        h = self.embed_tokens(input_ids)
+        if layer_ids is None:
+            for layer in self.layers.values():
+                h = layer(h, cos, sin)
+            return self.lm_head(self.norm(h))
+
+        wanted = set(layer_ids)
+        last = len(self.layers) - 1 if need_last_hidden else max(layer_ids)
+        outs: dict[int, torch.Tensor] = {}
+        for i in range(last + 1):
+            h = self.layers[str(i)](h, cos, sin)
+            if i in wanted:
+                outs[i] = h
+        aux = torch.cat([outs[i] for i in layer_ids], dim=-1)
+        return aux, (self.norm(h) if need_last_hidden else None)
+
+    @torch.no_grad()
+    def capture(
+        self, input_ids: torch.Tensor, layer_ids: list[int], need_last_hidden: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Hidden states for draft training.
+
+        Args:
+            input_ids: ``[B, S]`` token ids, padding at the end of each row.
+            layer_ids: capture layer ids (id ``i`` = output of decoder layer ``i`` =
+                HF ``hidden_states[i + 1]``), concatenated in this order (repeats allowed).
+            need_last_hidden: also return the final-norm last hidden state. When False, layers
+                after ``max(layer_ids)`` are not run.
+
+        Returns:
+            ``aux [B, S, len(layer_ids) * H]`` and ``last_hidden [B, S, H]`` or None.
+        """
+        if not layer_ids:
+            raise ValueError("capture: layer_ids is empty")
+        n = len(self.layers)
+        bad = [i for i in layer_ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"capture layer ids {bad} out of range for a {n}-layer target")
+        return self(input_ids, layer_ids=list(layer_ids), need_last_hidden=need_last_hidden)
+
+    def embed_weight(self) -> torch.Tensor:
+        """The full ``[V, H]`` input embedding (all-gathered if sharded), detached."""
+        return full_tensor(self.embed_tokens.weight).detach()
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The full ``[V, H]`` output projection (all-gathered if sharded), detached."""
+        return full_tensor(self.lm_head.weight).detach()

@@ -1,0 +1,147 @@
+"""models/common: chunked cross-entropy, RMSNorm, RoPE, attention backends."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from models.common import (
+    RMSNorm,
+    apply_rope,
+    attention,
+    build_attention_mask,
+    chunked_cross_entropy,
+    dense_mask_from_mask_mod,
+    rope_cos_sin,
+)
+from torch.nn.attention.flex_attention import BlockMask, create_mask
+
+
+def _reference_ce(hidden, weight, labels, top_k, scale, cap):
+    z = hidden @ weight.t() * scale
+    if cap > 0:
+        z = cap * torch.tanh(z / cap)
+    logp = torch.log_softmax(z, dim=-1)
+    ce = -logp.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+    ce = torch.where(labels >= 0, ce, torch.zeros_like(ce))
+    topv, topi = z.topk(top_k, dim=-1) if top_k else (z[:, :0], labels[:, None][:, :0])
+    return ce, z.argmax(-1), topv, topi
+
+
+@pytest.mark.parametrize("scale,cap", [(1.0, 0.0), (1.7, 3.0)])
+def test_chunked_ce_matches_unchunked_values_and_grads(scale, cap):
+    g = torch.Generator().manual_seed(0)
+    n, h, v, k = 37, 12, 50, 5
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[3] = -100  # ignored row
+    g_ce = torch.randn(n, generator=g, dtype=torch.float64)
+    g_top = torch.randn(n, k, generator=g, dtype=torch.float64)
+
+    h1 = hidden.clone().requires_grad_(True)
+    out = chunked_cross_entropy(
+        h1, weight, labels, chunk_rows=8, top_k=k, logit_scale=scale, softcap=cap
+    )
+    ((out.ce * g_ce).sum() + (out.topk_values * g_top).sum()).backward()
+
+    h2 = hidden.clone().requires_grad_(True)
+    ce, am, topv, topi = _reference_ce(h2, weight, labels, k, scale, cap)
+    ((ce * g_ce).sum() + (topv * g_top).sum()).backward()
+
+    assert out.ce.dtype == torch.float64
+    torch.testing.assert_close(out.ce, ce.detach(), rtol=1e-12, atol=1e-12)
+    assert out.ce[3] == 0
+    assert torch.equal(out.argmax, am)
+    assert torch.equal(out.topk_indices, topi)
+    torch.testing.assert_close(out.topk_values, topv.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_ce_ce_only_grad_and_fp32_output():
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(10, 8, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(30, 8, generator=g, dtype=torch.bfloat16)
+    labels = torch.randint(0, 30, (10,), generator=g)
+    out = chunked_cross_entropy(hidden, weight, labels, chunk_rows=3)
+    assert out.ce.dtype == torch.float32 and out.topk_values.shape == (10, 0)
+    out.ce.sum().backward()
+    ref = torch.nn.functional.cross_entropy(
+        (hidden.detach() @ weight.t()).float(), labels, reduction="none"
+    )
+    torch.testing.assert_close(out.ce, ref, rtol=1e-5, atol=1e-5)
+    assert hidden.grad.dtype == torch.bfloat16 and hidden.grad.abs().sum() > 0
+
+
+def test_chunked_ce_saves_no_full_logits_and_rejects_trainable_weight():
+    n, v = 16, 64
+    hidden = torch.randn(n, 8, requires_grad=True)
+    weight = torch.randn(v, 8)
+    saved: list[torch.Size] = []
+
+    def pack(t):
+        saved.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chunked_cross_entropy(
+            hidden, weight, torch.zeros(n, dtype=torch.long), chunk_rows=4, top_k=3
+        )
+    assert saved, "expected the autograd function to save its inputs"
+    assert all(math.prod(s) < n * v for s in saved if s != weight.shape), saved
+    with pytest.raises(ValueError, match="frozen"):
+        chunked_cross_entropy(hidden, weight.requires_grad_(True), torch.zeros(n, dtype=torch.long))
+
+
+def test_rmsnorm_and_rope_reference():
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    norm = RMSNorm(8, eps=1e-6).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 8))
+    ref = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    torch.testing.assert_close(norm(x), ref)
+
+    # RoPE: pairs (i, i + D/2) rotate by angle pos * theta^(-2i/D)
+    d, theta = 8, 10000.0
+    q = torch.randn(2, 1, 3, d, dtype=torch.float64)
+    pos = torch.tensor([[0, 5, 17], [3, 3, 100]])
+    cos, sin = rope_cos_sin(pos, d, theta)
+    out = apply_rope(q, cos.double(), sin.double())
+    for b in range(2):
+        for t in range(3):
+            for i in range(d // 2):
+                ang = pos[b, t].item() * theta ** (-2 * i / d)
+                x1, x2 = q[b, 0, t, i].item(), q[b, 0, t, i + d // 2].item()
+                assert math.isclose(
+                    out[b, 0, t, i].item(), x1 * math.cos(ang) - x2 * math.sin(ang), abs_tol=1e-5
+                )
+                assert math.isclose(
+                    out[b, 0, t, i + d // 2].item(),
+                    x2 * math.cos(ang) + x1 * math.sin(ang),
+                    abs_tol=1e-5,
+                )
+
+
+def test_dense_mask_equals_torch_create_mask_and_backends_agree():
+    lengths = torch.tensor([5, 9])
+
+    def mask_mod(b, h, q, kv):
+        return (kv <= q) & (kv < lengths[b])
+
+    dense = dense_mask_from_mask_mod(mask_mod, 2, 7, 11, "cpu")
+    assert dense.shape == (2, 1, 7, 11)
+    assert torch.equal(dense, create_mask(mask_mod, 2, 1, 7, 11, device="cpu"))
+    assert isinstance(build_attention_mask(mask_mod, 2, 7, 11, "cpu", "flex"), BlockMask)
+    assert isinstance(build_attention_mask(mask_mod, 2, 7, 11, "cpu", "auto"), torch.Tensor)
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 7, 8, generator=g)
+    k = torch.randn(2, 2, 11, 8, generator=g)
+    v = torch.randn(2, 2, 11, 8, generator=g)
+    o_sdpa = attention(q, k, v, build_attention_mask(mask_mod, 2, 7, 11, "cpu", "sdpa"))
+    o_flex = attention(q, k, v, build_attention_mask(mask_mod, 2, 7, 11, "cpu", "flex"))
+    torch.testing.assert_close(o_sdpa, o_flex, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="attn_backend"):
+        build_attention_mask(mask_mod, 2, 7, 11, "cpu", "xformers")
