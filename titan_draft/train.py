@@ -16,14 +16,14 @@ from datetime import timedelta
 
 import torch
 
-from titan_draft.components.checkpoint import CheckpointManager
+from titan_draft.components.checkpoint import CheckpointManager, TrainState
 from titan_draft.components.export import export_draft
 from titan_draft.components.float8 import Float8Converter
 from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.metrics import MetricsLogger, get_peak_flops
 from titan_draft.components.optimizer import build_optimizer
 from titan_draft.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
-from titan_draft.components.target import build_target, compute_features
+from titan_draft.components.target import build_target, check_target_config, compute_features
 from titan_draft.config import ConfigManager, validate_job_config, write_job_config
 from titan_draft.config.job_config import JobConfig
 from titan_draft.data.pipeline import build_dataloader
@@ -34,21 +34,6 @@ from titan_draft.logger import init_logger, logger
 from titan_draft.protocols import get_model_spec
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-class TrainState:
-    """Loop counters saved with every checkpoint."""
-
-    def __init__(self):
-        self.step = 0
-        self.tokens_seen = 0
-
-    def state_dict(self):
-        return {"step": torch.tensor(self.step), "tokens_seen": torch.tensor(self.tokens_seen)}
-
-    def load_state_dict(self, sd):
-        self.step = int(sd["step"])
-        self.tokens_seen = int(sd["tokens_seen"])
 
 
 def resolve_model_args(spec, cfg: JobConfig, target_args, static_shapes: bool):
@@ -315,8 +300,14 @@ class Trainer:
 
 def main(argv: list[str] | None = None) -> None:
     init_logger()
-    cfg = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
-    validate_job_config(cfg, logger)
+    try:
+        cfg = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
+        validate_job_config(cfg, logger)
+        check_target_config(cfg)
+    except ValueError as e:
+        # a bad job file or flag: one clear line, no traceback
+        print(f"titan_draft: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     trainer = Trainer(cfg)
     try:
         trainer.train()

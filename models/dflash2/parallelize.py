@@ -17,7 +17,7 @@ def parallelize_dflash2(model: nn.Module, parallel_dims, job_config, float8=None
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model.layers, job_config.activation_checkpoint.mode)
     if job_config.compile.enable:
-        apply_compile(model.layers, fullgraph=job_config.compile.fullgraph)
+        apply_compile(model.layers, fullgraph=job_config.compile.fullgraph, backend=job_config.compile.backend)
     if dp_mesh is not None:
         on_gpu = dp_mesh.device_type == "cuda"
         extra = [[model.fc, model.hidden_norm]]

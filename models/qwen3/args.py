@@ -63,7 +63,7 @@ qwen3_flavors: dict[str, Qwen3Args] = {
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=4096,
-        tie_word_embeddings=False,
+        tie_word_embeddings=True,
     ),
     "qwen3_8b": Qwen3Args(
         hidden_size=4096,

@@ -80,13 +80,17 @@ class Qwen3Model(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic random weights (normal std 0.02, norms 1) for debug/benchmark targets.
+        """Deterministic random weights for debug/benchmark targets: norms 1, linears normal
+        std 0.02, embedding and lm_head normal std 1/sqrt(H). The wider tables give logits of
+        std ~1 on a unit-RMS hidden state, the dynamic range of a trained model's head; with
+        std 0.02 every logit is ~0 and a draft trained against it can barely lower its loss.
 
         Each parameter is drawn in full from one generator seeded with ``seed`` (parameters in
         registration order), so the values do not depend on how the model is sharded; they do
         depend on the device type (CPU and CUDA generators differ).
         """
         gens: dict[torch.device, torch.Generator] = {}
+        table_std = 1.0 / self.args.hidden_size**0.5
         for name, p in self.named_parameters():
             local = p.to_local() if isinstance(p, DTensor) else p
             if local.device.type == "meta":
@@ -99,7 +103,8 @@ class Qwen3Model(nn.Module):
             if name.endswith("norm.weight"):
                 value = torch.ones(p.shape, device=local.device)
             else:
-                value = torch.empty(p.shape, device=local.device).normal_(0.0, 0.02, generator=gen)
+                std = table_std if name in ("embed_tokens.weight", "lm_head.weight") else 0.02
+                value = torch.empty(p.shape, device=local.device).normal_(0.0, std, generator=gen)
             copy_full_(p, value.to(p.dtype))
 
     def _rope(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

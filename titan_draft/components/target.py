@@ -44,6 +44,20 @@ class TargetBundle:
         }
 
 
+def check_target_config(cfg) -> None:
+    """Fail before any process group starts when the job cannot get a target."""
+    t = cfg.target
+    where = f" (job file {cfg.job.config_file})" if cfg.job.config_file else ""
+    if t.path:
+        if not os.path.isdir(t.path):
+            raise ValueError(f"target.path: {t.path!r} does not exist or is not a folder{where}")
+    elif not t.flavor:
+        raise ValueError(
+            f"target.path is required by this job{where}: pass --target.path /path/to/hf_checkpoint_folder "
+            "(or --target.flavor NAME for a random-weight target, for benchmarks only)"
+        )
+
+
 def _family_module(family: str):
     return importlib.import_module(f"models.{family}")
 

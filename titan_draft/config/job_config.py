@@ -39,7 +39,8 @@ class Target:
     """Local HF-format checkpoint folder of the frozen target. Empty: a random-weight target of
     `target.flavor` (for debugging and benchmarks only)."""
     flavor: str = "debugmodel"
-    """Architecture of the random-weight target when `target.path` is empty."""
+    """Architecture of the random-weight target when `target.path` is empty (debugmodel,
+    qwen3_8b). Empty: the job requires `target.path` and refuses to start without it."""
     seed: int = 1234
     """Seed of the random-weight target's initialization (fixed so runs and resumes agree)."""
     dtype: str = "bfloat16"
