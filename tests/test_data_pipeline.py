@@ -81,6 +81,13 @@ def test_resume_is_exact_across_epochs(tok, tmp_path, prefetch):
     assert _same(_take(fresh, m), ref[n:])
     assert _same(_take(dl, m), ref[n:])  # the interrupted loader itself lost nothing either
 
+    # DCP asks a fresh loader for its state_dict() (the structure to load into) before loading
+    probed = _build(tok, src, prefetch_factor=prefetch)
+    probed.state_dict()
+    probed.load_state_dict(sd)
+    assert probed.state_dict() == sd
+    assert _same(_take(probed, m), ref[n:])
+
 
 def test_dp_ranks_are_disjoint(tok, tmp_path):
     src = _write(tmp_path / "d.jsonl", [_conv(i) for i in range(11)])

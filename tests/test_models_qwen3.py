@@ -19,7 +19,8 @@ from models.qwen3 import (
 )
 
 ARGS = replace(
-    qwen3_flavors["debugmodel"], vocab_size=97, hidden_size=32, intermediate_size=48, head_dim=8
+    qwen3_flavors["debugmodel"], vocab_size=97, hidden_size=32, intermediate_size=48, head_dim=8,
+    tie_word_embeddings=False,
 )
 
 
@@ -124,7 +125,9 @@ def test_init_weights_deterministic():
         assert torch.equal(v, b.state_dict()[k])
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
     assert torch.equal(a.norm.weight, torch.ones_like(a.norm.weight))
-    assert abs(a.embed_tokens.weight.std().item() - 0.02) < 0.003
+    table_std = 1.0 / ARGS.hidden_size**0.5
+    assert abs(a.embed_tokens.weight.std().item() - table_std) < 0.1 * table_std
+    assert abs(a.layers["0"].mlp.down_proj.weight.std().item() - 0.02) < 0.003
 
 
 def _save_hf(model: Qwen3Model, folder, shards: int = 1, drop: str | None = None, extra=None):

@@ -121,6 +121,9 @@ class ChatDataLoader:
             )
         if self._rank_key not in state_dict:
             raise ValueError(f"data: the dataloader state has no entry for {self._rank_key}")
+        # A fresh Loader: torchdata's Loader ignores a loaded state when its state_dict() was
+        # called before any iter() (DCP does exactly that to learn the structure it loads into).
+        self._loader = tn.Loader(self._loader.root)
         self._loader.load_state_dict(pickle.loads(state_dict[self._rank_key]))
         # Apply it now, so a state_dict() taken before the next batch returns the loaded state.
         self._it = iter(self._loader)
