@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from models.common.norm import RMSNorm
+
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 AttentionMask = BlockMask | torch.Tensor
 
@@ -95,3 +97,18 @@ def attention(
             warnings.simplefilter("ignore")
             return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class QKNormProjections(torch.nn.Module):
+    """The Qwen3 attention parameters: q/k/v/o projections (GQA, no bias) and per-head q/k
+    RMSNorm. Targets and drafts subclass it and differ only in what they attend to."""
+
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.q_proj = torch.nn.Linear(hidden, n_heads * head_dim, bias=False)
+        self.k_proj = torch.nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
+        self.v_proj = torch.nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
+        self.o_proj = torch.nn.Linear(n_heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)

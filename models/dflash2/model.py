@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models.common.attention import QKNormProjections
 from models.common import (
     RMSNorm,
     SwiGLU,
@@ -35,21 +36,17 @@ from titan_draft.protocols.features import DraftOutput, TargetFeatures
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
-class DFlash2Attention(nn.Module):
+class DFlash2Attention(QKNormProjections):
     """Block queries attend to [context ; block] keys through the same k/v projections."""
 
     def __init__(self, args: DFlash2Args):
-        super().__init__()
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = d = args.head_dim
-        h = args.hidden_size
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
-        self.q_norm = RMSNorm(d, args.rms_norm_eps)
-        self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        super().__init__(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            args.rms_norm_eps,
+        )
 
     def forward(self, x, ctx, rope_q: Rope, rope_k: Rope, attn_mask) -> torch.Tensor:
         bsz, rows, _ = x.shape

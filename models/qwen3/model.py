@@ -12,25 +12,22 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models.common.attention import QKNormProjections
 from models.common import RMSNorm, SwiGLU, apply_rope, copy_full_, full_tensor, rope_cos_sin
 from models.qwen3.args import Qwen3Args
 
 
-class Qwen3Attention(nn.Module):
+class Qwen3Attention(QKNormProjections):
     """Causal GQA self-attention with per-head q/k RMSNorm (Qwen3)."""
 
     def __init__(self, args: Qwen3Args):
-        super().__init__()
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = args.head_dim
-        h, d = args.hidden_size, args.head_dim
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
-        self.q_norm = RMSNorm(d, args.rms_norm_eps)
-        self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        super().__init__(
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+            args.rms_norm_eps,
+        )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
