@@ -1,8 +1,7 @@
 """Turn argv into a JobConfig: dataclass defaults < TOML file < ``--section.key value`` overrides.
 
-Also holds the semantic checks (``validate_job_config``) and a small TOML writer for the resolved
-config (``write_job_config``), so that what a run actually used can be saved next to its outputs
-and loaded again with ``--job.config_file``.
+The semantic checks live in ``validate.py``, the TOML writer of the resolved config in
+``toml_writer.py``.
 """
 
 from __future__ import annotations
@@ -13,11 +12,8 @@ import difflib
 import functools
 import inspect
 import logging
-import math
-import re
 import sys
 import typing
-from pathlib import Path
 from typing import Any, Sequence
 
 if sys.version_info >= (3, 11):
@@ -26,6 +22,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from titan_draft.config.job_config import JobConfig
+from titan_draft.config.toml_writer import _toml_value
+from titan_draft.config.validate import ConfigError, validate_job_config
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +32,6 @@ _BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True,
                "false": False, "0": False, "no": False, "off": False}
 
 
-class ConfigError(ValueError):
-    """A bad key or value in a job config. The message names the key and where it came from."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,151 +347,3 @@ def load_job_config(argv: Sequence[str] | None = None, *, validate: bool = True,
     if validate:
         validate_job_config(cfg, log)
     return cfg
-
-
-# --------------------------------------------------------------------------------------------
-# Validation.
-
-_DTYPES = ("bfloat16", "float16", "float32")
-_CHOICES = {
-    "job.device": ("auto", "cuda", "cpu"),
-    "training.mixed_precision_param": _DTYPES,
-    "training.mixed_precision_reduce": _DTYPES,
-    "target.dtype": _DTYPES,
-    "checkpoint.export_dtype": _DTYPES,
-    "optimizer.implementation": ("auto", "fused", "foreach", "for-loop"),
-    "lr_scheduler.decay_type": ("cosine", "linear", "constant"),
-    "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
-    "activation_checkpoint.mode": ("none", "full"),
-}
-# key -> smallest allowed value
-_MINIMUM = {
-    "training.local_batch_size": 1, "training.grad_accum_steps": 1, "training.epochs": 0,
-    "training.max_norm": 0, "data.max_length": 1, "data.max_rows": 0, "data.prefetch_factor": 0,
-    "optimizer.lr": 0, "optimizer.eps": 0, "optimizer.weight_decay": 0,
-    "lr_scheduler.warmup_steps": -1, "lr_scheduler.warmup_ratio": 0, "lr_scheduler.min_lr_factor": 0,
-    "checkpoint.interval": 1, "checkpoint.keep_latest_k": 0, "checkpoint.load_step": -1,
-    "metrics.log_freq": 1, "profiling.profile_freq": 1, "profiling.profile_active": 1,
-    "profiling.profile_warmup": 0, "comm.init_timeout_seconds": 1, "comm.train_timeout_seconds": 1,
-    "target.seed": 0,
-}
-
-
-def _get(cfg: JobConfig, key: str) -> Any:
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
-
-
-def validate_job_config(cfg: JobConfig, log: logging.Logger | None = None) -> list[str]:
-    """Check the combination of values. Raises ConfigError naming every bad key; logs and returns
-    the warnings (legal combinations that are likely to disappoint)."""
-    log = log or logger
-    errors: list[str] = []
-    warnings: list[str] = []
-    for key, choices in _CHOICES.items():
-        if _get(cfg, key) not in choices:
-            errors.append(f"{key} = {_get(cfg, key)!r} must be one of {', '.join(choices)}")
-    for key, low in _MINIMUM.items():
-        if _get(cfg, key) < low:
-            errors.append(f"{key} = {_get(cfg, key)!r} must be >= {low}")
-    if cfg.training.epochs == 0 and cfg.training.steps < 1:
-        errors.append(f"training.steps = {cfg.training.steps} must be >= 1 (or set training.epochs)")
-    for key in ("optimizer.beta1", "optimizer.beta2", "lr_scheduler.warmup_ratio",
-                "lr_scheduler.min_lr_factor"):
-        if not 0 <= _get(cfg, key) <= 1:
-            errors.append(f"{key} = {_get(cfg, key)!r} must be in [0, 1]")
-    dp = cfg.parallelism.data_parallel_shard_degree
-    if dp != -1 and dp < 1:
-        errors.append(f"parallelism.data_parallel_shard_degree = {dp} must be -1 or >= 1")
-    layers = cfg.target.capture_layers
-    if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
-        errors.append(f"target.capture_layers = {layers} must be distinct non-negative layer ids")
-
-    static = cfg.training.static_shapes
-    if cfg.float8.enable and static and cfg.data.max_length % 16 != 0:
-        errors.append(f"data.max_length = {cfg.data.max_length} must be a multiple of 16 with "
-                      "float8.enable and training.static_shapes (float8 GEMMs need token counts "
-                      "divisible by 16)")
-    if cfg.compile.enable and not static:
-        warnings.append("compile.enable without training.static_shapes: every new padded batch "
-                        "shape recompiles the blocks (dynamic-shape graphs give back the gain, and "
-                        "flex_attention may fail to lower with a symbolic length); "
-                        "set training.static_shapes = true for real data")
-    if cfg.float8.enable and not static:
-        warnings.append("float8.enable without training.static_shapes: float8 GEMMs need token "
-                        "counts divisible by 16 and pad-to-longest batches usually are not "
-                        "('Expected ... to be divisible by 16'); set training.static_shapes = true")
-    if cfg.float8.enable and not cfg.compile.enable:
-        warnings.append("float8.enable without compile.enable: eager float8 dynamic scaling is "
-                        "slower than bf16; enable both")
-    if errors:
-        raise ConfigError("invalid job config: " + "; ".join(errors))
-    for w in warnings:
-        log.warning(w)
-    return warnings
-
-
-# --------------------------------------------------------------------------------------------
-# Writing (a minimal TOML emitter for the types a JobConfig holds).
-
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
-
-
-def _toml_str(s: str) -> str:
-    out = []
-    for ch in s:
-        if ch in _ESCAPES:
-            out.append(_ESCAPES[ch])
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04X}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
-
-
-def _toml_key(k: str) -> str:
-    return k if _BARE_KEY.fullmatch(k) else _toml_str(k)
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        text = repr(v)  # shortest repr round-trips exactly
-        return text if any(c in text for c in ".en") else text + ".0"
-    if isinstance(v, str):
-        return _toml_str(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{_toml_key(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    raise ConfigError(f"cannot write {v!r} ({type(v).__name__}) as TOML")
-
-
-def dump_job_config(cfg: JobConfig) -> str:
-    """The config as TOML text; loading it back with --job.config_file gives an equal config."""
-    lines = ["# Resolved job config (titan_draft). Reload with --job.config_file <this file>."]
-    for section in dataclasses.fields(cfg):
-        values = dataclasses.asdict(getattr(cfg, section.name))
-        tables = {k: v for k, v in values.items() if isinstance(v, dict)}
-        lines += ["", f"[{section.name}]"]
-        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if k not in tables]
-        # sub-tables must follow every plain key of the section, or TOML would put them inside
-        for name, table in tables.items():
-            lines += ["", f"[{section.name}.{name}]"]
-            lines += [f"{_toml_key(str(k))} = {_toml_value(v)}" for k, v in table.items()]
-    return "\n".join(lines) + "\n"
-
-
-def write_job_config(cfg: JobConfig, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_job_config(cfg), encoding="utf-8")
-    return path
