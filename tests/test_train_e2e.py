@@ -146,3 +146,45 @@ def test_two_rank_gloo_float8_compile_fsdp(tmp_path, chat_jsonl):
     tensors, _ = load_export(str(tmp_path / "export"))
     assert all(not any(b in k for b in BAD_FRAGMENTS) for k in tensors)
     assert all(t.dtype == torch.bfloat16 for t in tensors.values() if t.is_floating_point())
+
+
+def test_accumulation_divides_by_the_global_denominator(tmp_path, chat_jsonl):
+    """Two micro-batches: the gradient is d(sum of both loss sums)/d(w) / (sum of both
+    denominators), the exact token-weighted mean, not the mean of per-micro-batch means."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from models.common import full_tensor
+
+    argv = _args(tmp_path, chat_jsonl, "--training.steps", "1", "--training.grad_accum_steps", "2",
+                 "--optimizer.lr", "0", "--training.max_norm", "0", "--checkpoint.enable", "false",
+                 "--checkpoint.export", "false")
+    cfg = ConfigManager().parse_args(argv)
+    trainer = Trainer(cfg)
+    try:
+        # the same weights in a plain (unsharded) module
+        reference = trainer.spec.model_cls(trainer.model_args)
+        full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+        reference.load_state_dict(full, strict=True)
+        reference.load_frozen_tables(trainer.model.target_embed, trainer.model.target_lm_head)
+        data = iter(trainer.dataloader)
+        micro = [next(data), next(data)]
+        trainer.train_state.step = 1
+        trainer.train_step(micro)
+        got = {n: full_tensor(p.grad) for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+        from titan_draft.components.target import compute_features
+
+        outs = [
+            reference(compute_features(trainer.target.model, b, trainer.layer_ids, False),
+                      generator=trainer._generator(1, i))
+            for i, b in enumerate(micro)
+        ]
+        denoms = [o.loss_denominator for o in outs]
+        assert abs(float(denoms[0] - denoms[1])) > 0  # unequal, so the two normalizations differ
+        ((outs[0].loss_sum + outs[1].loss_sum) / (denoms[0] + denoms[1])).backward()
+        for n, p in reference.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(got[n], full_tensor(p.grad), rtol=1e-4, atol=1e-7, msg=n)
+    finally:
+        trainer.close()
+        destroy_distributed()
