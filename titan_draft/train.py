@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 
 import torch
 
@@ -28,7 +27,13 @@ from titan_draft.config.job_config import JobConfig
 from titan_draft.data.pipeline import build_dataloader
 from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.distributed.parallelize import apply_fsdp_frozen
-from titan_draft.distributed.utils import ParallelDims, destroy_distributed, init_distributed, set_seed
+from titan_draft.distributed.utils import (
+    ParallelDims,
+    destroy_distributed,
+    init_distributed,
+    set_pg_timeout,
+    set_seed,
+)
 from titan_draft.logger import init_logger, logger
 from titan_draft.protocols import get_model_spec
 
@@ -181,7 +186,8 @@ class Trainer:
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict:
         step = self.train_state.step
-        self.model.set_train_progress(step, self.total_steps) if hasattr(self.model, "set_train_progress") else None
+        if hasattr(self.model, "set_train_progress"):
+            self.model.set_train_progress(step, self.total_steps)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = {}
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -263,21 +269,20 @@ class Trainer:
                         b0 = micro_batches[0]["input_ids"]
                         flops = self.spec.flops_fn(self.model_args, b0.shape[0], b0.shape[1]) * accum
                         scalars["mfu"] = 100.0 * flops / (elapsed / window_steps) / self.peak_flops
-                    self.metrics.log(step, scalars, self.total_steps)
                     skipped = self.dataloader.skip_counts
-                    if skipped and step == 1 or (skipped and step == self.total_steps):
-                        logger.info(f"data rows skipped on rank {self.dp_rank}: {dict(skipped)}")
+                    scalars["data/skipped_rows"] = sum(skipped.values())
+                    self.metrics.log(step, scalars, self.total_steps)
+                    if step in (start + 1, self.total_steps):
+                        logger.info(f"data rows skipped so far on DP rank {self.dp_rank}: {skipped}")
                     window_start, window_steps, window_tokens, window_samples, window_wait = time.perf_counter(), 0, 0, 0, 0.0
                 self.checkpointer.save(step, force=step == self.total_steps)
                 if prof is not None:
                     prof.step()
                 if snap is not None:
                     snap.step()
-                if step == 1 and self.dist.world_size > 1 and self.device.type == "cuda":
-                    # the first step is done: tighten the collective timeout from the init value
-                    torch.distributed.distributed_c10d._set_pg_timeout(
-                        timedelta(seconds=cfg.comm.train_timeout_seconds), None
-                    ) if hasattr(torch.distributed.distributed_c10d, "_set_pg_timeout") else None
+                if step == start + 1 and self.dist.world_size > 1:
+                    # start-up (compile, first collectives) is over: use the shorter timeout
+                    set_pg_timeout(cfg.comm.train_timeout_seconds)
         if cfg.checkpoint.export:
             out_dir = os.path.join(cfg.job.dump_folder, cfg.checkpoint.export_folder)
             export_draft(
