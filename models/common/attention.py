@@ -101,14 +101,17 @@ def attention(
 
 class QKNormProjections(torch.nn.Module):
     """The Qwen3 attention parameters: q/k/v/o projections (GQA, no bias) and per-head q/k
-    RMSNorm. Targets and drafts subclass it and differ only in what they attend to."""
+    RMSNorm (identity for Llama, ``qk_norm=False``). Targets and drafts subclass it and differ
+    only in what they attend to."""
 
-    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
+    def __init__(
+        self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, eps: float, qk_norm: bool = True
+    ):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.q_proj = torch.nn.Linear(hidden, n_heads * head_dim, bias=False)
         self.k_proj = torch.nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
         self.v_proj = torch.nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
         self.o_proj = torch.nn.Linear(n_heads * head_dim, hidden, bias=False)
-        self.q_norm = RMSNorm(head_dim, eps)
-        self.k_norm = RMSNorm(head_dim, eps)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else torch.nn.Identity()
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else torch.nn.Identity()

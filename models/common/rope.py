@@ -9,6 +9,8 @@ materialized with ``to_empty``, which would leave a table buffer uninitialized, 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -17,14 +19,42 @@ def rope_inv_freq(
     theta: float,
     device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
+    scaling: dict | None = None,
 ) -> torch.Tensor:
-    """``[head_dim // 2]`` inverse frequencies ``theta ** (-2i / head_dim)`` (HF's formula)."""
+    """``[head_dim // 2]`` inverse frequencies ``theta ** (-2i / head_dim)`` (HF's formula),
+    optionally rescaled by a ``rope_scaling`` dict of HF's config (``rope_type`` llama3)."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(dtype) / head_dim
-    return 1.0 / (theta**exponent)
+    inv_freq = 1.0 / (theta**exponent)
+    if scaling:
+        inv_freq = _scale_inv_freq(inv_freq, scaling)
+    return inv_freq
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama-3.1 frequency scaling: long wavelengths are divided by ``factor``, short ones kept,
+    and the band between ``low_freq_factor`` and ``high_freq_factor`` interpolated smoothly."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling: unsupported rope_type {kind!r} (supported: llama3, default)")
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
 
 
 def rope_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
+    position_ids: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype = torch.float32,
+    scaling: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for ``position_ids [B, L]`` -> two ``[B, L, head_dim]`` tensors.
 
@@ -32,7 +62,7 @@ def rope_cos_sin(
     float64 models, e.g. exact reference tests). The frequencies are duplicated along the last
     dim (``cat(freqs, freqs)``) to match :func:`rotate_half`.
     """
-    inv_freq = rope_inv_freq(head_dim, theta, device=position_ids.device, dtype=dtype)
+    inv_freq = rope_inv_freq(head_dim, theta, device=position_ids.device, dtype=dtype, scaling=scaling)
     freqs = position_ids.to(dtype)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()

@@ -6,6 +6,23 @@ import json
 import os
 from dataclasses import dataclass, fields
 
+from models.common.rope import rope_inv_freq
+
+
+def hf_decoder_kwargs(config: dict, names: set[str]) -> dict:
+    """The fields of an HF decoder config.json that the target args know. Handles both the
+    ``rope_theta`` + ``rope_scaling`` spelling and transformers 5's ``rope_parameters``."""
+    kwargs = {k: v for k, v in config.items() if k in names}
+    rope = config.get("rope_parameters")
+    if rope:
+        if "rope_theta" in rope:
+            kwargs["rope_theta"] = rope["rope_theta"]
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        kwargs["rope_scaling"] = None if kind == "default" else dict(rope)
+    if config.get("head_dim") is None:
+        kwargs["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    return kwargs
+
 
 @dataclass
 class Qwen3Args:
@@ -31,6 +48,11 @@ class Qwen3Args:
     """Longest position the checkpoint was trained for (informational; RoPE is not tabled)."""
     tie_word_embeddings: bool = False
     """lm_head shares the embedding matrix."""
+    qk_norm: bool = True
+    """Per-head RMSNorm on q and k (Qwen3); False gives the Llama-3 attention."""
+    rope_scaling: dict | None = None
+    """HF ``rope_scaling`` (Llama-3.1+: rope_type llama3, factor, low/high_freq_factor,
+    original_max_position_embeddings); None for plain RoPE."""
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "Qwen3Args":
@@ -39,11 +61,11 @@ class Qwen3Args:
             raise ValueError(
                 f"expected a qwen3 config, got model_type={config.get('model_type')!r}"
             )
-        names = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in config.items() if k in names}
-        if config.get("head_dim") is None:
-            kwargs["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
-        return cls(**kwargs)
+        return cls(**hf_decoder_kwargs(config, {f.name for f in fields(cls)}))
+
+    def __post_init__(self):
+        # an unsupported rope_scaling fails here, when the folder is read, not at the first step
+        rope_inv_freq(self.head_dim, self.rope_theta, scaling=self.rope_scaling)
 
     @classmethod
     def from_hf_folder(cls, folder: str) -> "Qwen3Args":

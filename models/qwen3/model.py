@@ -18,7 +18,7 @@ from models.qwen3.args import Qwen3Args
 
 
 class Qwen3Attention(QKNormProjections):
-    """Causal GQA self-attention with per-head q/k RMSNorm (Qwen3)."""
+    """Causal GQA self-attention with per-head q/k RMSNorm (Qwen3; none for Llama-3)."""
 
     def __init__(self, args: Qwen3Args):
         super().__init__(
@@ -27,6 +27,7 @@ class Qwen3Attention(QKNormProjections):
             args.num_key_value_heads,
             args.head_dim,
             args.rms_norm_eps,
+            qk_norm=args.qk_norm,
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -108,7 +109,7 @@ class Qwen3Model(nn.Module):
         pos = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         # fp32 angles (HF) unless the model itself runs in fp64
         dtype = torch.promote_types(self.embed_tokens.weight.dtype, torch.float32)
-        return rope_cos_sin(pos, self.args.head_dim, self.args.rope_theta, dtype)
+        return rope_cos_sin(pos, self.args.head_dim, self.args.rope_theta, dtype, self.args.rope_scaling)
 
     def forward(
         self,

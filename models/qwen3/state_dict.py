@@ -58,6 +58,9 @@ def load_hf_state_dict(model: torch.nn.Module, folder: str) -> None:
     the embedding and a stored ``lm_head.weight`` is ignored.
     """
     tied = bool(getattr(model.args, "tie_word_embeddings", False))
+    if tied:
+        # meta init + to_empty gives lm_head its own (empty) storage: tie it again
+        model.lm_head.weight = model.embed_tokens.weight
     expected = dict(model.state_dict())
     if tied:
         expected.pop("lm_head.weight", None)

@@ -19,7 +19,7 @@ from torch import nn
 
 from titan_draft.protocols import TargetFeatures
 
-_HF_MODEL_TYPES = {"qwen3": "qwen3"}
+_HF_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama3"}
 
 
 @dataclass

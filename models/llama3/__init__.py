@@ -1,0 +1,53 @@
+"""Llama-3.x frozen target (3.1 / 3.2 / 3.3 dense).
+
+Llama-3 is the Qwen3 decoder without the per-head q/k norms and with Llama-3 RoPE frequency
+scaling, so it reuses ``models.qwen3``'s module (same HF parameter names) with ``qk_norm=False``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+from models.qwen3 import Qwen3Args, Qwen3Model, load_hf_state_dict
+from models.qwen3.args import hf_decoder_kwargs
+
+
+def args_from_hf_config(config: dict) -> Qwen3Args:
+    """Target args from a Llama ``config.json`` dict."""
+    if config.get("model_type") != "llama":
+        raise ValueError(f"expected a llama config, got model_type={config.get('model_type')!r}")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise ValueError(f"llama config with {key}=true is not supported")
+    kwargs = hf_decoder_kwargs(config, {f.name for f in fields(Qwen3Args)})
+    kwargs.setdefault("rope_theta", 500000.0)
+    kwargs.setdefault("rms_norm_eps", 1e-5)
+    return Qwen3Args(**{**kwargs, "qk_norm": False})
+
+
+TARGET_FLAVORS = {
+    "debugmodel": replace(
+        Qwen3Args(),
+        vocab_size=128256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=4096,
+        qk_norm=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
+}
+TARGET_MODEL_CLS = Qwen3Model
+
+__all__ = ["TARGET_FLAVORS", "TARGET_MODEL_CLS", "args_from_hf_config", "load_hf_state_dict"]

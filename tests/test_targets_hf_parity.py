@@ -1,0 +1,70 @@
+"""Targets loaded from HF folders match HF transformers layer for layer (float32)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+COMMON = dict(
+    vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+)
+
+CASES = {
+    "qwen3_untied": ("qwen3", "Qwen3Config", "Qwen3ForCausalLM",
+                     dict(head_dim=16, tie_word_embeddings=False, rope_theta=1e6)),
+    "qwen3_tied": ("qwen3", "Qwen3Config", "Qwen3ForCausalLM",
+                   dict(head_dim=24, tie_word_embeddings=True, rope_theta=1e6)),
+    "llama3_scaled": ("llama3", "LlamaConfig", "LlamaForCausalLM",
+                      dict(tie_word_embeddings=False, rope_theta=500000.0, rope_scaling=LLAMA_SCALING)),
+    "llama3_plain_tied": ("llama3", "LlamaConfig", "LlamaForCausalLM",
+                          dict(tie_word_embeddings=True, rope_theta=10000.0)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_capture_and_logits_match_transformers(tmp_path, case):
+    family, config_cls, model_cls, extra = CASES[case]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    hf = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():  # non-trivial norms, so a missed norm weight shows
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+
+    mod = importlib.import_module(f"models.{family}")
+    args = mod.args_from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    if "rope_scaling" in extra:
+        assert args.rope_scaling and args.rope_scaling["rope_type"] == "llama3"
+    with torch.device("meta"):
+        model = mod.TARGET_MODEL_CLS(args)
+    model.to_empty(device="cpu")
+    mod.load_hf_state_dict(model, str(tmp_path))
+    model.eval()
+
+    # long enough that positions pass original_max_position_embeddings (the scaled band)
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 200), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+        layer_ids = [0, 2, 3]
+        aux, last = model.capture(ids, layer_ids, need_last_hidden=True)
+        logits = model(ids)
+    h = COMMON["hidden_size"]
+    for j, i in enumerate(layer_ids[:-1]):  # HF's last entry is post-norm; ours are pre-norm
+        torch.testing.assert_close(aux[..., j * h:(j + 1) * h], ref.hidden_states[i + 1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(last, ref.hidden_states[-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, ref.logits, rtol=1e-4, atol=1e-4)
