@@ -68,3 +68,12 @@ def test_capture_and_logits_match_transformers(tmp_path, case):
         torch.testing.assert_close(aux[..., j * h:(j + 1) * h], ref.hidden_states[i + 1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(last, ref.hidden_states[-1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits, ref.logits, rtol=1e-4, atol=1e-4)
+
+    # the trainer's entry point reads the same folder the same way
+    from titan_draft.components.target import build_target
+    from titan_draft.config import ConfigManager
+
+    bundle = build_target(ConfigManager().parse_args(["--target.path", str(tmp_path)]), torch.device("cpu"), torch.float32)
+    assert bundle.family == family and bundle.info["num_hidden_layers"] == COMMON["num_hidden_layers"]
+    with torch.no_grad():
+        assert torch.equal(bundle.model.capture(ids, layer_ids, need_last_hidden=False)[0], aux)

@@ -51,11 +51,33 @@ def check_target_config(cfg) -> None:
     if t.path:
         if not os.path.isdir(t.path):
             raise ValueError(f"target.path: {t.path!r} does not exist or is not a folder{where}")
+        model_type = read_hf_config(t.path)["model_type"]
+        if model_type != "qwen3":
+            # token ids, the chat format and the mask token come from the Qwen3 tokenizer today
+            raise ValueError(
+                f"target.path: {t.path} is a {model_type} model; it loads (build_target), but training "
+                "needs its own tokenizer and chat format, which only Qwen3 targets have so far"
+            )
     elif not t.flavor:
         raise ValueError(
             f"target.path is required by this job{where}: pass --target.path /path/to/hf_checkpoint_folder "
             "(or --target.flavor NAME for a random-weight target, for benchmarks only)"
         )
+
+
+def read_hf_config(folder: str) -> dict:
+    """config.json of an HF checkpoint folder whose model_type a target family supports."""
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"target.path: {folder!r} has no config.json (expected an HF checkpoint folder)")
+    with open(cfg_path) as f:
+        hf_config = json.load(f)
+    model_type = hf_config.get("model_type")
+    if model_type not in _HF_MODEL_TYPES:
+        raise ValueError(
+            f"target.path: {cfg_path} has model_type {model_type!r}; supported: {sorted(_HF_MODEL_TYPES)}"
+        )
+    return hf_config
 
 
 def _family_module(family: str):
@@ -67,16 +89,8 @@ def build_target(cfg, device: torch.device, dtype: torch.dtype) -> TargetBundle:
     tcfg = cfg.target
     if tcfg.path:
         folder = tcfg.path
-        cfg_path = os.path.join(folder, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise ValueError(f"target.path: {folder!r} has no config.json (expected an HF checkpoint folder)")
-        with open(cfg_path) as f:
-            hf_config = json.load(f)
-        model_type = hf_config.get("model_type")
-        if model_type not in _HF_MODEL_TYPES:
-            raise ValueError(
-                f"target.path: {cfg_path} has model_type {model_type!r}; supported: {sorted(_HF_MODEL_TYPES)}"
-            )
+        hf_config = read_hf_config(folder)
+        model_type = hf_config["model_type"]
         family = _HF_MODEL_TYPES[model_type]
         mod = _family_module(family)
         args = mod.args_from_hf_config(hf_config)
