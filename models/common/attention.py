@@ -101,17 +101,21 @@ def attention(
 
 class QKNormProjections(torch.nn.Module):
     """The Qwen3 attention parameters: q/k/v/o projections (GQA, no bias) and per-head q/k
-    RMSNorm (identity for Llama, ``qk_norm=False``). Targets and drafts subclass it and differ
-    only in what they attend to."""
+    RMSNorm (identity when ``args.qk_norm`` is False, as in Llama). Targets and drafts subclass
+    it and differ only in what they attend to.
 
-    def __init__(
-        self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, eps: float, qk_norm: bool = True
-    ):
+    ``args`` is any model args with hidden_size, num_attention_heads, num_key_value_heads,
+    head_dim and rms_norm_eps (and optionally qk_norm, default True).
+    """
+
+    def __init__(self, args):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.q_proj = torch.nn.Linear(hidden, n_heads * head_dim, bias=False)
-        self.k_proj = torch.nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
-        self.v_proj = torch.nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
-        self.o_proj = torch.nn.Linear(n_heads * head_dim, hidden, bias=False)
-        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else torch.nn.Identity()
-        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else torch.nn.Identity()
+        h, d = args.hidden_size, args.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, d
+        self.q_proj = torch.nn.Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = torch.nn.Linear(h, self.n_kv_heads * d, bias=False)
+        self.v_proj = torch.nn.Linear(h, self.n_kv_heads * d, bias=False)
+        self.o_proj = torch.nn.Linear(self.n_heads * d, h, bias=False)
+        qk_norm = getattr(args, "qk_norm", True)
+        self.q_norm = RMSNorm(d, args.rms_norm_eps) if qk_norm else torch.nn.Identity()
+        self.k_norm = RMSNorm(d, args.rms_norm_eps) if qk_norm else torch.nn.Identity()

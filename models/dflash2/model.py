@@ -39,15 +39,6 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 class DFlash2Attention(QKNormProjections):
     """Block queries attend to [context ; block] keys through the same k/v projections."""
 
-    def __init__(self, args: DFlash2Args):
-        super().__init__(
-            args.hidden_size,
-            args.num_attention_heads,
-            args.num_key_value_heads,
-            args.head_dim,
-            args.rms_norm_eps,
-        )
-
     def forward(self, x, ctx, rope_q: Rope, rope_k: Rope, attn_mask) -> torch.Tensor:
         bsz, rows, _ = x.shape
         kv_len = ctx.shape[1] + rows

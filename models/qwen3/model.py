@@ -20,16 +20,6 @@ from models.qwen3.args import Qwen3Args
 class Qwen3Attention(QKNormProjections):
     """Causal GQA self-attention with per-head q/k RMSNorm (Qwen3; none for Llama-3)."""
 
-    def __init__(self, args: Qwen3Args):
-        super().__init__(
-            args.hidden_size,
-            args.num_attention_heads,
-            args.num_key_value_heads,
-            args.head_dim,
-            args.rms_norm_eps,
-            qk_norm=args.qk_norm,
-        )
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, s, self.n_heads, self.head_dim)).transpose(1, 2)
