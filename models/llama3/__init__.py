@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from models.qwen3 import Qwen3Args, Qwen3Model, load_hf_state_dict
+from models.qwen3 import Qwen3Args, Qwen3Model, load_hf_state_dict, qwen3_flavors
 from models.qwen3.args import hf_decoder_kwargs
 
 
@@ -25,19 +25,14 @@ def args_from_hf_config(config: dict) -> Qwen3Args:
     return Qwen3Args(**{**kwargs, "qk_norm": False})
 
 
+# the Qwen3 debug shape with Llama-3's vocabulary, norms, RoPE and untied head
 TARGET_FLAVORS = {
     "debugmodel": replace(
-        Qwen3Args(),
+        qwen3_flavors["debugmodel"],
         vocab_size=128256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
-        max_position_embeddings=4096,
+        tie_word_embeddings=False,
         qk_norm=False,
         rope_scaling={
             "rope_type": "llama3",
