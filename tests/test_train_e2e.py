@@ -105,6 +105,7 @@ def test_debug_job_learns_and_exports(tmp_path, chat_jsonl):
     assert any(f.startswith("rank0_trace") for f in traces), traces
     info = json.loads((tmp_path / "run_info.json").read_text())
     assert info["static_shapes"] is True and info["world_size"] == 1
+    assert info["param_dtype"] == "float32" and info["target_dtype"] == "float32"  # CPU runs fp32
 
 
 def test_resume_matches_uninterrupted(tmp_path, chat_jsonl):

@@ -26,7 +26,7 @@ from titan_draft.config import ConfigManager, validate_job_config, write_job_con
 from titan_draft.config.job_config import JobConfig
 from titan_draft.data.pipeline import build_dataloader
 from titan_draft.data.tokenizer import build_tokenizer
-from titan_draft.distributed.parallelize import apply_fsdp_frozen
+from titan_draft.distributed.parallelize import apply_fsdp_frozen, mixed_precision_dtypes, to_dtype
 from titan_draft.distributed.utils import (
     ParallelDims,
     destroy_distributed,
@@ -37,7 +37,16 @@ from titan_draft.distributed.utils import (
 from titan_draft.logger import init_logger, logger
 from titan_draft.protocols import get_model_spec
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+@dataclasses.dataclass
+class _LogWindow:
+    """Counters since the last logged step; throughput is averaged over this window."""
+
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    steps: int = 0
+    tokens: int = 0
+    samples: int = 0
+    data_wait: float = 0.0
 
 
 def resolve_model_args(spec, cfg: JobConfig, target_args, static_shapes: bool):
@@ -89,8 +98,8 @@ class Trainer:
         self.tokenizer = build_tokenizer("qwen3")
 
         # Target: built whole on this device, frozen tables copied into the draft, then sharded.
-        target_dtype = _DTYPES[cfg.target.dtype] if on_gpu else torch.float32
-        self.target = build_target(cfg, self.device, target_dtype)
+        target_dtype = cfg.target.dtype if on_gpu else "float32"  # CPU runs everything in fp32
+        self.target = build_target(cfg, self.device, to_dtype(target_dtype))
         self.model_args = resolve_model_args(self.spec, cfg, self.target.args, cfg.training.static_shapes)
         self.layer_ids = list(self.model_args.target_layer_ids)
 
@@ -114,7 +123,7 @@ class Trainer:
             model.init_weights()
         tmodel = self.target.model
         model.load_frozen_tables(tmodel.embed_weight(), tmodel.lm_head_weight())
-        apply_fsdp_frozen(tmodel, self.dp_mesh, blocks=tmodel.layers, param_dtype=cfg.target.dtype if on_gpu else "float32")
+        apply_fsdp_frozen(tmodel, self.dp_mesh, blocks=tmodel.layers, param_dtype=target_dtype)
 
         self.float8 = Float8Converter(cfg, self.parallel_dims)
         self.model = self.spec.parallelize_fn(model, self.parallel_dims, cfg, self.float8, dp_mesh=self.dp_mesh)
@@ -146,9 +155,9 @@ class Trainer:
             "draft": f"{cfg.model.name}/{cfg.model.flavor}",
             "draft_trainable_params": n_params,
             "target": self.target.source,
-            "target_dtype": str(target_dtype).replace("torch.", ""),
+            "target_dtype": target_dtype,
             "capture_layers": self.layer_ids,
-            "param_dtype": self._param_dtype_name(),
+            "param_dtype": mixed_precision_dtypes(cfg, self.device.type)[0],
             "static_shapes": cfg.training.static_shapes,
             "compile": cfg.compile.enable,
             "float8": self.float8.describe() if hasattr(self.float8, "describe") else self.float8.enabled,
@@ -162,9 +171,6 @@ class Trainer:
             write_job_config(cfg, os.path.join(cfg.job.dump_folder, "job_config.toml"))
             with open(os.path.join(cfg.job.dump_folder, "run_info.json"), "w") as f:
                 json.dump(self.run_info, f, indent=2)
-
-    def _param_dtype_name(self) -> str:
-        return self.cfg.training.mixed_precision_param if self.device.type == "cuda" else "float32"
 
     def _total_steps(self) -> int:
         t = self.cfg.training
@@ -233,34 +239,34 @@ class Trainer:
         data_iter = iter(self.dataloader)
         losses: dict[int, float] = {}
         accum = cfg.training.grad_accum_steps
-        window_start, window_steps, window_tokens, window_samples, window_wait = time.perf_counter(), 0, 0, 0, 0.0
+        window = _LogWindow()
         with maybe_enable_profiling(cfg.profiling, cfg.job.dump_folder, self.train_state.step, self.dist.rank) as prof, \
                 maybe_enable_memory_snapshot(cfg.profiling, cfg.job.dump_folder, self.train_state.step, self.dist.rank) as snap:
             while self.train_state.step < self.total_steps:
                 t0 = time.perf_counter()
                 micro_batches = [next(data_iter) for _ in range(accum)]
-                window_wait += time.perf_counter() - t0
+                window.data_wait += time.perf_counter() - t0
                 self.train_state.step += 1
                 step = self.train_state.step
                 tokens = sum(int(b["valid_lengths"].sum()) for b in micro_batches)
                 self.train_state.tokens_seen += tokens
-                window_tokens += tokens
-                window_samples += sum(b["input_ids"].shape[0] for b in micro_batches)
-                window_steps += 1
+                window.tokens += tokens
+                window.samples += sum(b["input_ids"].shape[0] for b in micro_batches)
+                window.steps += 1
                 out = self.train_step(micro_batches)
                 if self.metrics.should_log(step, self.total_steps):
                     flat = out["flat"].tolist()
                     loss = flat[0] / max(flat[1], 1e-12)
                     losses[step] = loss
-                    elapsed = time.perf_counter() - window_start
+                    elapsed = time.perf_counter() - window.start
                     scalars = {
                         "loss": loss,
                         "lr": self.lr_scheduler.get_last_lr()[0],
                         "grad_norm": float(out["grad_norm"]),
-                        "tokens_per_s": window_tokens / elapsed,
-                        "samples_per_s": window_samples * self.dp_world / elapsed,
-                        "step_time_s": elapsed / window_steps,
-                        "data_wait_s": window_wait / window_steps,
+                        "tokens_per_s": window.tokens / elapsed,
+                        "samples_per_s": window.samples * self.dp_world / elapsed,
+                        "step_time_s": elapsed / window.steps,
+                        "data_wait_s": window.data_wait / window.steps,
                     }
                     for i, name in enumerate(out["names"]):
                         num, den = flat[2 + 2 * i], flat[3 + 2 * i]
@@ -268,13 +274,13 @@ class Trainer:
                     if self.peak_flops and self.spec.flops_fn is not None:
                         b0 = micro_batches[0]["input_ids"]
                         flops = self.spec.flops_fn(self.model_args, b0.shape[0], b0.shape[1]) * accum
-                        scalars["mfu"] = 100.0 * flops / (elapsed / window_steps) / self.peak_flops
+                        scalars["mfu"] = 100.0 * flops / (elapsed / window.steps) / self.peak_flops
                     skipped = self.dataloader.skip_counts
                     scalars["data/skipped_rows"] = sum(skipped.values())
                     self.metrics.log(step, scalars, self.total_steps)
                     if step in (start + 1, self.total_steps):
                         logger.info(f"data rows skipped so far on DP rank {self.dp_rank}: {skipped}")
-                    window_start, window_steps, window_tokens, window_samples, window_wait = time.perf_counter(), 0, 0, 0, 0.0
+                    window = _LogWindow()
                 self.checkpointer.save(step, force=step == self.total_steps)
                 if prof is not None:
                     prof.step()

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from titan_draft.distributed.parallelize import apply_ac, apply_compile, apply_fsdp
+from titan_draft.distributed.parallelize import (
+    apply_ac,
+    apply_compile,
+    apply_fsdp,
+    mixed_precision_dtypes,
+)
 
 
 def parallelize_dflash2(model: nn.Module, parallel_dims, job_config, float8=None, *, dp_mesh=None) -> nn.Module:
@@ -19,7 +24,7 @@ def parallelize_dflash2(model: nn.Module, parallel_dims, job_config, float8=None
     if job_config.compile.enable:
         apply_compile(model.layers, fullgraph=job_config.compile.fullgraph, backend=job_config.compile.backend)
     if dp_mesh is not None:
-        on_gpu = dp_mesh.device_type == "cuda"
+        param_dtype, reduce_dtype = mixed_precision_dtypes(job_config, dp_mesh.device_type)
         extra = [[model.fc, model.hidden_norm]]
         if getattr(model, "candidate_selector", None) is not None:
             extra.append([model.candidate_selector])
@@ -28,8 +33,8 @@ def parallelize_dflash2(model: nn.Module, parallel_dims, job_config, float8=None
             dp_mesh,
             blocks=model.layers,
             extra_groups=extra,
-            param_dtype=job_config.training.mixed_precision_param if on_gpu else "float32",
-            reduce_dtype=job_config.training.mixed_precision_reduce if on_gpu else "float32",
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
             reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
         )
     return model

@@ -147,3 +147,12 @@ def apply_fsdp_frozen(
 def _reshard_root_hook(module: nn.Module, args, output):
     module.reshard()
     return output
+
+
+def mixed_precision_dtypes(job_config, device_type: str) -> tuple[str, str]:
+    """(param, reduce) dtype names for the draft's FSDP2 policy: the configured ones on GPU, float32
+    on CPU, where the debug job and the tests run (bf16 matmuls there are slow and inexact)."""
+    if device_type != "cuda":
+        return "float32", "float32"
+    t = job_config.training
+    return t.mixed_precision_param, t.mixed_precision_reduce
