@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import json
-
 import pytest
 import torch
 
@@ -44,28 +41,35 @@ def test_capture_and_logits_match_transformers(tmp_path, case):
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.add_(0.3 * torch.randn_like(p))
-    hf.save_pretrained(tmp_path, safe_serialization=True)
+    # one case saved as shards + index, the layout of every real multi-GB checkpoint
+    hf.save_pretrained(tmp_path, **({"max_shard_size": "100KB"} if case == "qwen3_tied" else {}))
+    if case == "qwen3_tied":
+        assert (tmp_path / "model.safetensors.index.json").is_file()
 
-    mod = importlib.import_module(f"models.{family}")
-    args = mod.args_from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    from titan_draft import load_target
+
+    model = load_target(str(tmp_path), dtype=torch.float32, device="cpu")
+    assert model.family == family and model.args.num_key_value_heads == 2  # GQA
     if "rope_scaling" in extra:
-        assert args.rope_scaling and args.rope_scaling["rope_type"] == "llama3"
-    with torch.device("meta"):
-        model = mod.TARGET_MODEL_CLS(args)
-    model.to_empty(device="cpu")
-    mod.load_hf_state_dict(model, str(tmp_path))
-    model.eval()
+        assert model.args.rope_scaling and model.args.rope_scaling["rope_type"] == "llama3"
 
     # long enough that positions pass original_max_position_embeddings (the scaled band)
     ids = torch.randint(0, COMMON["vocab_size"], (2, 200), generator=torch.Generator().manual_seed(1))
+    # each HF decoder layer's raw output (hidden_states[-1] is post-norm, so hook the layers)
+    layer_out = {}
+    for i, layer in enumerate(hf.model.layers):
+        layer.register_forward_hook(
+            lambda m, a, out, i=i: layer_out.__setitem__(i, out[0] if isinstance(out, tuple) else out))
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True)
-        layer_ids = [0, 2, 3]
-        aux, last = model.capture(ids, layer_ids, need_last_hidden=True)
+        layer_ids = [3, 0, 2, 1]  # every layer, in the order asked
+        aux, last = model.capture(ids, layer_ids)
         logits = model(ids)
     h = COMMON["hidden_size"]
-    for j, i in enumerate(layer_ids[:-1]):  # HF's last entry is post-norm; ours are pre-norm
-        torch.testing.assert_close(aux[..., j * h:(j + 1) * h], ref.hidden_states[i + 1], rtol=1e-4, atol=1e-4)
+    for j, i in enumerate(layer_ids):
+        torch.testing.assert_close(aux[..., j * h:(j + 1) * h], layer_out[i], rtol=1e-4, atol=1e-4)
+        if i + 1 < COMMON["num_hidden_layers"]:  # SGLang id i == HF hidden_states[i + 1]
+            torch.testing.assert_close(aux[..., j * h:(j + 1) * h], ref.hidden_states[i + 1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(last, ref.hidden_states[-1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits, ref.logits, rtol=1e-4, atol=1e-4)
 

@@ -26,7 +26,7 @@ from titan_draft.config import ConfigManager, validate_job_config, write_job_con
 from titan_draft.config.job_config import JobConfig
 from titan_draft.data.pipeline import build_dataloader
 from titan_draft.data.tokenizer import build_tokenizer
-from titan_draft.distributed.parallelize import apply_fsdp_frozen, mixed_precision_dtypes, to_dtype
+from titan_draft.distributed.parallelize import mixed_precision_dtypes, to_dtype
 from titan_draft.distributed.utils import (
     ParallelDims,
     destroy_distributed,
@@ -97,9 +97,9 @@ class Trainer:
         self.spec = get_model_spec(cfg.model.name)
         self.tokenizer = build_tokenizer("qwen3")
 
-        # Target: built whole on this device, frozen tables copied into the draft, then sharded.
+        # Target: built on the meta device, sharded, then each rank loads only its shard.
         target_dtype = cfg.target.dtype if on_gpu else "float32"  # CPU runs everything in fp32
-        self.target = build_target(cfg, self.device, to_dtype(target_dtype))
+        self.target = build_target(cfg, self.device, to_dtype(target_dtype), mesh=self.dp_mesh)
         self.model_args = resolve_model_args(self.spec, cfg, self.target.args, cfg.training.static_shapes)
         self.layer_ids = list(self.model_args.target_layer_ids)
 
@@ -123,7 +123,6 @@ class Trainer:
             model.init_weights()
         tmodel = self.target.model
         model.load_frozen_tables(tmodel.embed_weight(), tmodel.lm_head_weight())
-        apply_fsdp_frozen(tmodel, self.dp_mesh, blocks=tmodel.layers, param_dtype=target_dtype)
 
         self.float8 = Float8Converter(cfg, self.parallel_dims)
         self.model = self.spec.parallelize_fn(model, self.parallel_dims, cfg, self.float8, dp_mesh=self.dp_mesh)

@@ -67,6 +67,27 @@ class Qwen3Args:
         # an unsupported rope_scaling fails here, when the folder is read, not at the first step
         rope_inv_freq(self.head_dim, self.rope_theta, scaling=self.rope_scaling)
 
+    def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict:
+        """``config.json`` dict of an HF ``Qwen3ForCausalLM`` (``LlamaForCausalLM`` when
+        ``qk_norm`` is False) with these args; :meth:`from_hf_config` reads it back."""
+        qwen3 = self.qk_norm
+        cfg = {
+            "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
+            "model_type": "qwen3" if qwen3 else "llama",
+            **{f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("qk_norm",)},
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "torch_dtype": torch_dtype,
+        }
+        if qwen3:
+            cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers)
+        else:
+            cfg["mlp_bias"] = False
+        return cfg
+
     @classmethod
     def from_hf_folder(cls, folder: str) -> "Qwen3Args":
         path = os.path.join(folder, "config.json")

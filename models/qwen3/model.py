@@ -66,6 +66,16 @@ class Qwen3Model(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the embedding again when the args tie them: ``to_empty`` after
+        a meta-device build gives each module its own new parameter. Under FSDP2 the tie
+        survives (DTensor parameters are swapped in place), so nothing is re-registered there."""
+        if not self.args.tie_word_embeddings or self.lm_head.weight is self.embed_tokens.weight:
+            return
+        if isinstance(self.embed_tokens.weight, DTensor):
+            raise RuntimeError("tied target embeddings were untied after fully_shard")
+        self.lm_head.weight = self.embed_tokens.weight
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Deterministic random weights for debug/benchmark targets: norms 1, linears normal
@@ -130,7 +140,7 @@ class Qwen3Model(nn.Module):
 
     @torch.no_grad()
     def capture(
-        self, input_ids: torch.Tensor, layer_ids: list[int], need_last_hidden: bool
+        self, input_ids: torch.Tensor, layer_ids: list[int], need_last_hidden: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states for draft training.
 

@@ -8,6 +8,8 @@ from collections import Counter
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor, Shard
 
 from models.common import copy_full_
 
@@ -26,26 +28,67 @@ def local_key_to_hf(name: str) -> str:
     return name if name.startswith("lm_head.") else f"model.{name}"
 
 
-def _checkpoint_files(folder: str) -> list[str]:
+def _checkpoint_files(folder: str) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files of ``folder`` and, for a sharded checkpoint, the index's
+    ``weight_map`` (HF key -> file name)."""
     index = os.path.join(folder, "model.safetensors.index.json")
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
+        try:
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{index} is not valid JSON: {e}") from None
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index}: missing or empty 'weight_map'")
         files = [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
         for path in files:
             if not os.path.isfile(path):
+                missing_keys = sorted(k for k, v in weight_map.items() if v == os.path.basename(path))
                 raise FileNotFoundError(
-                    f"{index} lists {os.path.basename(path)!r}, which is missing"
+                    f"{index} lists shard {os.path.basename(path)!r} (holding {missing_keys[0]!r} "
+                    f"and {len(missing_keys) - 1} more keys), which is missing from {folder}"
                 )
-        return files
+        return files, weight_map
     if os.path.isfile(single):
-        return [single]
+        return [single], None
     raise FileNotFoundError(
         f"no model.safetensors or model.safetensors.index.json in target folder {folder!r}"
     )
+
+
+def _shard_rows(param: DTensor) -> tuple[int, int]:
+    """``(first row, row count)`` of this rank's FSDP2 shard of ``param``: dim-0 chunks of
+    ``ceil(n / world)`` rows, as ``torch.chunk`` splits (the last ranks may hold fewer or none)."""
+    if len(param.placements) != 1 or param.placements[0] != Shard(0):
+        raise ValueError(f"only FSDP2's Shard(0) on a 1-D mesh is supported, got {param.placements}")
+    n, world = param.shape[0], param.device_mesh.size()
+    rank = param.device_mesh.get_local_rank()
+    chunk = -(-n // world)
+    start = min(rank * chunk, n)
+    rows = min(chunk, n - start)
+    local = param.to_local()
+    if local.shape[0] != rows or tuple(local.shape[1:]) != tuple(param.shape[1:]):
+        raise RuntimeError(
+            f"unexpected FSDP2 shard shape {tuple(local.shape)} for global {tuple(param.shape)} "
+            f"on rank {rank} of {world}"
+        )
+    return start, rows
+
+
+def _copy_from_file(dst: torch.Tensor, f, key: str) -> None:
+    """Copy checkpoint tensor ``key`` into ``dst``. For an FSDP2-sharded ``dst`` only this
+    rank's rows are read from the file (safetensors slices are read lazily from the mmap), so
+    no rank ever holds the full model."""
+    if isinstance(dst, DTensor):
+        start, rows = _shard_rows(dst)
+        if rows == 0:
+            return
+        src = f.get_slice(key)[start : start + rows]
+        local = dst.to_local()
+        local.copy_(src.to(device=local.device, dtype=local.dtype))
+    else:
+        copy_full_(dst, f.get_tensor(key))
 
 
 @torch.no_grad()
@@ -59,16 +102,22 @@ def load_hf_state_dict(model: torch.nn.Module, folder: str) -> None:
     """
     tied = bool(getattr(model.args, "tie_word_embeddings", False))
     if tied:
-        # meta init + to_empty gives lm_head its own (empty) storage: tie it again
-        model.lm_head.weight = model.embed_tokens.weight
+        model.tie_weights()
     expected = dict(model.state_dict())
     if tied:
         expected.pop("lm_head.weight", None)
 
     plan: list[tuple[str, str, str]] = []  # (file, hf key, local key)
-    for path in _checkpoint_files(folder):
+    files, weight_map = _checkpoint_files(folder)
+    for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in f.keys():
+                if weight_map is not None and weight_map.get(key) != os.path.basename(path):
+                    # a stale index would make other tools read the wrong file
+                    raise KeyError(
+                        f"{key!r} is stored in {path} but model.safetensors.index.json maps it to "
+                        f"{weight_map.get(key)!r}"
+                    )
                 if key.endswith(_IGNORED_SUFFIXES):
                     continue
                 local = hf_key_to_local(key)
@@ -91,10 +140,53 @@ def load_hf_state_dict(model: torch.nn.Module, folder: str) -> None:
         )
     missing = sorted(set(expected) - set(seen))
     if missing:
-        raise KeyError(f"missing keys in {folder}: {[local_key_to_hf(k) for k in missing]}")
+        names = [local_key_to_hf(k) for k in missing]
+        where = ""
+        if weight_map is not None and names[0] in weight_map:
+            where = f" (the index maps {names[0]!r} to {weight_map[names[0]]!r}, which lacks it)"
+        raise KeyError(f"missing keys in {folder}: {names}{where}")
 
     for path in sorted({p for p, _, _ in plan}):
         with safe_open(path, framework="pt", device="cpu") as f:
             for p, key, local in plan:
                 if p == path:
-                    copy_full_(expected[local], f.get_tensor(key))
+                    _copy_from_file(expected[local], f, key)
+
+
+def save_hf_checkpoint(model: torch.nn.Module, folder: str, *, dtype: torch.dtype,
+                       max_shard_bytes: int = 0) -> list[str]:
+    """Write ``model``'s weights as an HF checkpoint: ``model.safetensors``, or shards plus
+    ``model.safetensors.index.json`` when the weights exceed ``max_shard_bytes`` (> 0).
+
+    Tied weights are stored once (``lm_head.weight`` omitted, as HF does). Returns the files
+    written. The model must be unsharded (this is for small random targets and tests).
+    """
+    tied = bool(getattr(model.args, "tie_word_embeddings", False))
+    tensors = {
+        local_key_to_hf(k): v.detach().to("cpu", dtype).contiguous()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
+    os.makedirs(folder, exist_ok=True)
+    metadata = {"format": "pt"}  # transformers refuses safetensors files without it
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if max_shard_bytes <= 0 or total <= max_shard_bytes:
+        save_file(tensors, os.path.join(folder, "model.safetensors"), metadata=metadata)
+        return ["model.safetensors"]
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(tensors):
+        nbytes = tensors[key].numel() * tensors[key].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensors[key]
+        size += nbytes
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(folder, name), metadata=metadata)
+        weight_map.update({k: name for k in shard})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return [*names, "model.safetensors.index.json"]

@@ -84,38 +84,112 @@ def _family_module(family: str):
     return importlib.import_module(f"models.{family}")
 
 
-def build_target(cfg, device: torch.device, dtype: torch.dtype) -> TargetBundle:
-    """Build the frozen target on ``device`` in ``dtype`` (not yet sharded)."""
-    tcfg = cfg.target
-    if tcfg.path:
-        folder = tcfg.path
-        hf_config = read_hf_config(folder)
-        model_type = hf_config["model_type"]
-        family = _HF_MODEL_TYPES[model_type]
-        mod = _family_module(family)
-        args = mod.args_from_hf_config(hf_config)
-        with torch.device("meta"):
-            model = mod.TARGET_MODEL_CLS(args)
-        model.to_empty(device=device)
-        mod.load_hf_state_dict(model, folder)
-        source = folder
-    else:
-        family = "qwen3"
-        mod = _family_module(family)
-        if tcfg.flavor not in mod.TARGET_FLAVORS:
-            raise ValueError(
-                f"target.flavor: {tcfg.flavor!r} is not a {family} flavor "
-                f"({sorted(mod.TARGET_FLAVORS)}); set target.path to a checkpoint folder for real training"
-            )
-        args = mod.TARGET_FLAVORS[tcfg.flavor]
-        with torch.device(device):
-            model = mod.TARGET_MODEL_CLS(args)
-        model.init_weights(seed=tcfg.seed)
-        source = f"random:{tcfg.flavor}"
+def _check_supported(hf_config: dict, cfg_path: str) -> None:
+    """Refuse config.json features the target modules do not implement (they would load and
+    then compute something else than the served model)."""
+    if hf_config.get("quantization_config"):
+        method = hf_config["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"target.path: {cfg_path} is a quantized checkpoint ({method}); "
+                         "use the unquantized (bf16) weights")
+    if hf_config.get("use_sliding_window"):
+        raise ValueError(f"target.path: {cfg_path} enables sliding-window attention, which the "
+                         "target does not implement")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf_config.get(key):
+            raise ValueError(f"target.path: {cfg_path} sets {key}=true, which is not supported")
+
+
+def _resolve_device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _freeze_and_place(model: nn.Module, device: torch.device, dtype: torch.dtype, mesh) -> None:
+    """Freeze a meta-device model, shard it over ``mesh`` (if given) and allocate it on
+    ``device``: with a mesh each rank allocates only its shard."""
     model.to(dtype)
     model.requires_grad_(False)
     model.eval()
-    return TargetBundle(model=model, args=args, family=family, source=source)
+    if mesh is not None:
+        from titan_draft.distributed.parallelize import apply_fsdp_frozen
+
+        apply_fsdp_frozen(model, mesh, blocks=model.layers, param_dtype=dtype)
+    model.to_empty(device=device)
+    model.tie_weights()
+
+
+def load_target(path: str, *, dtype: torch.dtype = torch.bfloat16, device="cpu", mesh=None) -> nn.Module:
+    """Load a frozen target from a local HF checkpoint folder.
+
+    Reads ``config.json``, picks the family from ``model_type`` (``qwen3``, ``llama``), builds
+    the model on the meta device and loads ``model.safetensors`` or the shards listed in
+    ``model.safetensors.index.json``. Every key and shape is checked before any weight is copied.
+
+    Args:
+        path: folder with ``config.json`` and the safetensors weights.
+        dtype: parameter dtype (checkpoint tensors are cast to it).
+        device: where the parameters live.
+        mesh: a 1-D DeviceMesh to shard the target over with FSDP2 (``fully_shard`` per decoder
+            layer, then the root). Each rank then allocates and reads from disk only its own
+            rows of every tensor: the full model is never materialized on one rank.
+
+    Returns:
+        The frozen model (eval mode, ``requires_grad=False``). ``model.capture(input_ids,
+        layer_ids)`` returns ``(aux, last_hidden)``: the outputs of the decoder layers in
+        ``layer_ids`` concatenated on the last dim, id ``i`` being the output of decoder layer
+        ``i`` (0-based, SGLang's convention; HF ``hidden_states[i + 1]``), and the final-norm
+        last hidden state. ``model.args`` holds the architecture, ``model.family`` the family.
+
+    Raises:
+        ValueError: the folder, its config or a tensor shape is not something we support.
+        FileNotFoundError: config.json, the weights or a shard listed in the index is missing.
+        KeyError: unexpected, missing or doubly stored keys (naming the key and the file).
+    """
+    folder = os.path.expanduser(path)
+    if not os.path.isdir(folder):
+        raise ValueError(f"target.path: {path!r} does not exist or is not a folder")
+    hf_config = read_hf_config(folder)
+    _check_supported(hf_config, os.path.join(folder, "config.json"))
+    family = _HF_MODEL_TYPES[hf_config["model_type"]]
+    mod = _family_module(family)
+    args = mod.args_from_hf_config(hf_config)
+    with torch.device("meta"):
+        model = mod.TARGET_MODEL_CLS(args)
+    _freeze_and_place(model, _resolve_device(device), dtype, mesh)
+    mod.load_hf_state_dict(model, folder)
+    model.family = family
+    return model
+
+
+def build_target(cfg, device: torch.device, dtype: torch.dtype, mesh=None) -> TargetBundle:
+    """The job's frozen target on ``device`` in ``dtype``: loaded from ``target.path``, or a
+    seeded random-weight ``target.flavor``; sharded over ``mesh`` when one is given."""
+    tcfg = cfg.target
+    if tcfg.path:
+        model = load_target(tcfg.path, dtype=dtype, device=device, mesh=mesh)
+        return TargetBundle(model=model, args=model.args, family=model.family, source=tcfg.path)
+    # --- synthetic target (benchmarks): random captured features, no forward, nothing to shard
+    from titan_draft.components.synthetic import build_synthetic_target, is_synthetic_target
+
+    if is_synthetic_target(tcfg.flavor):
+        return build_synthetic_target(cfg, device, dtype)
+    # --- end synthetic target
+    family = "qwen3"
+    mod = _family_module(family)
+    if tcfg.flavor not in mod.TARGET_FLAVORS:
+        raise ValueError(
+            f"target.flavor: {tcfg.flavor!r} is not a {family} flavor "
+            f"({sorted(mod.TARGET_FLAVORS)}); set target.path to a checkpoint folder for real training"
+        )
+    args = mod.TARGET_FLAVORS[tcfg.flavor]
+    with torch.device("meta"):
+        model = mod.TARGET_MODEL_CLS(args)
+    _freeze_and_place(model, _resolve_device(device), dtype, mesh)
+    # drawn in fp32 and cast, so a random target has the same values in every dtype
+    model.init_weights(seed=tcfg.seed)
+    return TargetBundle(model=model, args=args, family=family, source=f"random:{tcfg.flavor}")
 
 
 @torch.no_grad()
@@ -131,3 +205,33 @@ def compute_features(
         aux_hidden=aux,
         last_hidden=last,
     )
+
+
+def write_random_target(folder: str, *, flavor: str = "debugmodel", seed: int = 1234,
+                        dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 0) -> str:
+    """Write a random-weight Qwen3 target as an HF folder that :func:`load_target` (and
+    transformers) read like a real checkpoint: ``config.json``, safetensors weights (sharded
+    with an index past ``max_shard_bytes``), and the Qwen3 tokenizer (``tokenizer.json`` and
+    ``tokenizer_config.json`` built from the Qwen BPE ranks).
+
+    The weights are those of the ``random:<flavor>`` target with the same ``seed`` (drawn on
+    CPU), cast to ``dtype``. Returns ``folder``.
+    """
+    from models.qwen3 import save_hf_checkpoint
+    from titan_draft.data.tokenizer import build_tokenizer, save_hf_tokenizer
+
+    mod = _family_module("qwen3")
+    if flavor not in mod.TARGET_FLAVORS:
+        raise ValueError(f"flavor {flavor!r} is not a qwen3 target flavor ({sorted(mod.TARGET_FLAVORS)})")
+    args = mod.TARGET_FLAVORS[flavor]
+    model = mod.TARGET_MODEL_CLS(args)
+    model.init_weights(seed=seed)
+    os.makedirs(folder, exist_ok=True)
+    save_hf_checkpoint(model, folder, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    save_hf_tokenizer(build_tokenizer("qwen3"), folder)
+    hf_config = args.to_hf_config(torch_dtype=str(dtype).removeprefix("torch."))
+    hf_config.update(bos_token_id=151643, eos_token_id=151645)
+    # config.json last: its presence is what marks the folder complete
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)
+    return folder
