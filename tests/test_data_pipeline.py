@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from titan_draft.config.job_config import Data
+from titan_draft.config import ConfigError, JobConfig, validate_job_config
 from titan_draft.data.pipeline import build_dataloader, collate_chat
+from titan_draft.data.sources import SKIP_REASONS
 from titan_draft.data.tokenizer import build_tokenizer
 
 PAD = 151643
@@ -128,8 +130,14 @@ def test_bad_rows_skipped_and_counted(tok, tmp_path):
         {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": [1]}]},
         {"conversations": [{"from": "human", "value": "q"}]},
         _conv(2, user=long_user),
+        {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "42"},
+                      {"role": "assistant", "content": "a"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"},
+                      {"role": "assistant", "content": "a"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "user", "content": "q"},
+                      {"role": "assistant", "content": "a"}]},
         _conv(3),
-    ]
+    ]  # fmt: skip
     src = _write(tmp_path / "d.jsonl", lines)
     dl = _build(tok, src, bs=1, shuffle=False, max_length=64, prefetch_factor=2)
     assert _row_ids(next(dl), tok) == [0]
@@ -137,9 +145,8 @@ def test_bad_rows_skipped_and_counted(tok, tmp_path):
     _wait_read_ahead(dl, consumed)
     assert sum(dl.skip_counts.values()) == 0  # rows only the prefetcher has passed are not counted
     assert [_row_ids(next(dl), tok)[0] for _ in range(2)] == [1, 3]
-    once = {"bad_json": 1, "no_conversations": 1, "unknown_role": 1, "empty_turn": 1,
-            "non_text_content": 1, "no_assistant_turn": 1, "no_loss_tokens": 1}  # fmt: skip
-    assert dl.skip_counts == once
+    once = dict.fromkeys(SKIP_REASONS, 1)  # one row for every reason
+    assert dl.skip_counts == once and list(once) == list(dl.skip_counts)
     sd = dl.state_dict()
     assert [_row_ids(next(dl), tok)[0] for _ in range(3)] == [0, 1, 3]
     assert dl.skip_counts == {k: 2 * v for k, v in once.items()}  # cumulative over epochs
@@ -196,8 +203,10 @@ def test_bad_config(tok, tmp_path):
     with pytest.raises(ValueError, match=r"data\.source: .*has no rows"):
         _build(tok, empty)
     src = _write(tmp_path / "d.jsonl", [_conv(i) for i in range(3)])
-    with pytest.raises(ValueError, match=r"data\.chat_template: unknown chat template 'llama3'"):
-        _build(tok, src, chat_template="llama3")
+    with pytest.raises(ValueError, match=r"data\.chat_template: unknown chat template 'qwen'"):
+        _build(tok, src, chat_template="qwen")
+    with pytest.raises(ValueError, match=r"data\.chat_template: .*'llama3' needs special token"):
+        _build(tok, src, chat_template="llama3")  # the Qwen3 tokenizer has no Llama-3 headers
     with pytest.raises(ValueError, match=r"data\.source: 1 rows .* DP rank 1 of 2 with none"):
         _build(tok, src, max_rows=1, rank=1, world=2)
     with pytest.raises(ValueError, match=r"data\.max_length"):
@@ -210,3 +219,48 @@ def test_bad_config(tok, tmp_path):
     sd = _build(tok, src, prefetch_factor=0).state_dict()
     with pytest.raises(ValueError, match=r"saved with 3 rows on this DP rank .* now gives 5"):
         _build(tok, other, prefetch_factor=0).load_state_dict(sd)
+
+
+def _trained_text(batch, tok):
+    """Per sample, the decoded text of its trained tokens."""
+    pairs = zip(batch["input_ids"], batch["loss_mask"])
+    return [tok.decode(ids[mask].tolist()) for ids, mask in pairs]
+
+
+@pytest.mark.parametrize("thinking, last_only, expected", [
+    (True, False, "a0<|im_end|><think>\nr1\n</think>\n\na1<|im_end|>"),
+    (False, False, "a0<|im_end|>a1<|im_end|>"),
+    (True, True, "<think>\nr1\n</think>\n\na1<|im_end|>"),
+    (False, True, "a1<|im_end|>"),
+])  # fmt: skip
+def test_chat_options_reach_the_samples(tok, tmp_path, thinking, last_only, expected):
+    row = {"messages": [
+        {"role": "user", "content": "q0"}, {"role": "assistant", "content": "a0"},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
+    ]}  # fmt: skip
+    src = _write(tmp_path / "d.jsonl", [row])
+    dl = _build(tok, src, bs=1, chat_template="qwen3", enable_thinking=thinking,
+                last_turn_only=last_only, system_prompt="Be brief.")  # fmt: skip
+    batch = next(dl)
+    assert _trained_text(batch, tok) == [expected]
+    text = tok.decode(batch["input_ids"][0].tolist())
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nq0")
+    assert ("<think>\n\n</think>\n\na1" in text) == (not thinking)
+
+
+def test_validate_chat_options():
+    cfg = JobConfig()
+    assert cfg.data.chat_template == "chatml" and cfg.data.enable_thinking
+    assert not cfg.data.last_turn_only
+    for name in ("chatml", "qwen3", "llama3"):
+        cfg.data.chat_template = name
+        validate_job_config(cfg)
+    cfg.data.chat_template = "qwen"
+    with pytest.raises(ConfigError, match=r"chat_template = 'qwen' must be one of chatml, qwen3,"):
+        validate_job_config(cfg)
+    cfg.data.chat_template = "chatml"
+    cfg.data.enable_thinking = False
+    assert any("data.enable_thinking" in w for w in validate_job_config(cfg))
+    cfg.data.chat_template = "qwen3"
+    assert not any("data.enable_thinking" in w for w in validate_job_config(cfg))

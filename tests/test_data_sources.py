@@ -1,26 +1,68 @@
-"""Row sources (.json, .jsonl, folders, packaged ShareGPT) and ShareGPT normalization."""
+"""Row sources (.json, .jsonl, folders, packaged ShareGPT) and row normalization (ShareGPT and
+OpenAI messages, skip reasons)."""
 
 import json
+import logging
 
 import pytest
 
-from titan_draft.data.sources import BAD_JSON, _iter_json_list, load_rows, normalize_sharegpt
+from titan_draft.data.chat_template import Turn
+from titan_draft.data.sources import (
+    BAD_JSON,
+    SKIP_REASONS,
+    _iter_json_list,
+    load_rows,
+    normalize_row,
+)
 
 
 def _row(i):
     return {"id": i, "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
 
 
+def _msg_row(i):
+    return {"id": i, "messages": [{"role": "user", "content": f"q{i}"},
+                                  {"role": "assistant", "content": f"a{i}"}]}  # fmt: skip
+
+
 def _conv(*turns):
     return {"conversations": [{"from": f, "value": v} for f, v in turns]}
 
 
-def test_normalize_roles():
+def _msgs(*messages):
+    return {"messages": [m if isinstance(m, dict) else {"role": m[0], "content": m[1]}
+                         for m in messages]}  # fmt: skip
+
+
+def test_normalize_sharegpt_roles():
     row = _conv(("system", "S"), ("human", "q"), ("gpt", "a"), ("user", "q2"), ("chatgpt", "a2"),
                 ("USER", "q3"), ("assistant", "a3"))  # fmt: skip
-    assert normalize_sharegpt(row) == [
-        ("system", "S"), ("user", "q"), ("assistant", "a"), ("user", "q2"), ("assistant", "a2"),
-        ("user", "q3"), ("assistant", "a3"),
+    assert normalize_row(row) == [
+        Turn("system", "S"), Turn("user", "q"), Turn("assistant", "a"), Turn("user", "q2"),
+        Turn("assistant", "a2"), Turn("user", "q3"), Turn("assistant", "a3"),
+    ]  # fmt: skip
+
+
+def test_normalize_openai_messages():
+    row = _msgs(
+        ("system", "S"),
+        ("user", [{"type": "text", "text": "Look "}, {"type": "text", "text": "here"}]),
+        {"role": "assistant", "content": "Done.", "reasoning_content": "think", "tool_calls": []},
+        {"role": "user", "content": "q2", "reasoning_content": 5},  # only read on assistants
+        {"role": "assistant", "content": "<think>r</think>a2"},
+    )
+    assert normalize_row(row) == [
+        Turn("system", "S"), Turn("user", "Look here"), Turn("assistant", "Done.", "think"),
+        Turn("user", "q2"), Turn("assistant", "<think>r</think>a2", None),
+    ]  # fmt: skip
+
+
+def test_normalize_trims_to_first_user_and_last_assistant():
+    # ShareGPT V3 pieces of a split conversation start with the answer to a lost question.
+    row = _conv(("system", "S"), ("gpt", "lost"), ("human", "q"), ("gpt", "a"), ("human", "more?"))
+    assert normalize_row(row) == [Turn("system", "S"), Turn("user", "q"), Turn("assistant", "a")]
+    assert normalize_row(_msgs(("assistant", "x"), ("user", "q"), ("assistant", "a"))) == [
+        Turn("user", "q"), Turn("assistant", "a")
     ]  # fmt: skip
 
 
@@ -31,19 +73,40 @@ def test_normalize_roles():
         ({"id": 1}, "no_conversations"),
         ({"conversations": []}, "no_conversations"),
         ({"conversations": "hi"}, "no_conversations"),
+        ({"messages": None}, "no_conversations"),
         ([1, 2], "no_conversations"),
         (_conv(("human", "q"), ("bing", "a")), "unknown_role"),
         ({"conversations": [{"value": "q"}]}, "unknown_role"),
+        (_msgs(("developer", "d"), ("user", "q"), ("assistant", "a")), "unknown_role"),
+        (_msgs(("user", "q"), ("tool", "42"), ("assistant", "a")), "tool_use"),
+        (_conv(("human", "q"), ("function_call", "{}"), ("gpt", "a")), "tool_use"),
+        (_msgs(("user", "q"), {"role": "assistant", "content": None,
+                               "tool_calls": [{"function": {"name": "f"}}]}),
+         "tool_use"),  # fmt: skip
         (_conv(("human", "q"), ("gpt", "  \n")), "empty_turn"),
         (_conv(("human", ""), ("gpt", "a")), "empty_turn"),
+        (_msgs(("user", []), ("assistant", "a")), "empty_turn"),
         (_conv(("human", "q"), ("gpt", ["a", "b"])), "non_text_content"),
         (_conv(("human", "q"), ("gpt", None)), "non_text_content"),
         ({"conversations": ["q", "a"]}, "non_text_content"),
+        (_msgs(("user", [{"type": "text", "text": "what is this?"},
+                         {"type": "image_url", "image_url": {"url": "x.png"}}]),
+               ("assistant", "a cat")), "non_text_content"),  # fmt: skip
+        (_msgs(("user", "q"), {"role": "assistant", "content": "a", "reasoning_content": ["r"]}),
+         "non_text_content"),  # fmt: skip
+        (_msgs(("user", "q"), ("system", "s"), ("assistant", "a")), "misplaced_system"),
+        (_msgs(("system", "s"), ("system", "t"), ("user", "q"), ("assistant", "a")),
+         "misplaced_system"),  # fmt: skip
+        (_conv(("human", "q"), ("human", "q2"), ("gpt", "a")), "consecutive_same_role"),
+        (_conv(("human", "q"), ("gpt", "a"), ("gpt", "a2")), "consecutive_same_role"),
         (_conv(("system", "s"), ("human", "q")), "no_assistant_turn"),
+        (_conv(("gpt", "a"),), "no_assistant_turn"),
+        (_conv(("system", "s"), ("gpt", "a"), ("human", "q")), "no_assistant_turn"),
     ],
 )
 def test_normalize_skip_reasons(row, reason):
-    assert normalize_sharegpt(row) == reason
+    assert reason in SKIP_REASONS
+    assert normalize_row(row) == reason
 
 
 def test_jsonl_bad_line_and_blank_lines(tmp_path):
@@ -67,6 +130,24 @@ def test_folder_sorted_max_rows_and_sharding(tmp_path):
     assert [r["id"] for r in r0] == [0, 2, 4] and [r["id"] for r in r1] == [1, 3]
 
 
+def test_folder_of_both_row_forms(tmp_path, caplog):
+    def lines(rows):
+        return "".join(json.dumps(row) + "\n" for row in rows)
+
+    (tmp_path / "a_sharegpt.jsonl").write_text(lines(_row(i) for i in range(2)))
+    (tmp_path / "b_openai.json").write_text(json.dumps([_msg_row(i) for i in range(2, 4)]))
+    # JSON Lines under a .json name is read as JSON Lines.
+    (tmp_path / "c_openai_lines.json").write_text(lines(_msg_row(i) for i in (4, 5)))
+    (tmp_path / "nested").mkdir()  # not read, and said so
+    (tmp_path / "nested" / "d.jsonl").write_text(json.dumps(_row(99)) + "\n")
+    with caplog.at_level(logging.INFO, logger="titan_draft.data.sources"):
+        rows, total = load_rows(str(tmp_path))
+    assert "subfolders" in caplog.text and "nested" in caplog.text
+    assert total == 6 and [r["id"] for r in rows] == list(range(6))
+    for i, row in enumerate(rows):
+        assert normalize_row(row) == [Turn("user", f"q{i}"), Turn("assistant", f"a{i}")]
+
+
 def test_bad_sources(tmp_path):
     with pytest.raises(ValueError, match=r"data\.source: .*does not exist"):
         load_rows(str(tmp_path / "missing.jsonl"))
@@ -85,6 +166,12 @@ def test_bad_sources(tmp_path):
     (tmp_path / "obj.json").write_text('{"conversations": []}')
     with pytest.raises(ValueError, match=r"data\.source: .*not a JSON list"):
         load_rows(str(tmp_path / "obj.json"))
+    (tmp_path / "obj.json").write_text(json.dumps(_row(0), indent=2) + "\n")  # one object
+    with pytest.raises(ValueError, match=r"data\.source: .*not a JSON list"):
+        load_rows(str(tmp_path / "obj.json"))
+    # Once recognized as JSON Lines, a bad line is a counted row, as in a .jsonl.
+    (tmp_path / "obj.json").write_text(json.dumps(_row(0)) + "\n{bad\n")
+    assert load_rows(str(tmp_path / "obj.json"))[0] == [_row(0), BAD_JSON]
 
 
 def test_truncated_json(tmp_path):
@@ -104,8 +191,8 @@ def test_truncated_json(tmp_path):
 def test_packaged_sharegpt():
     rows, total = load_rows("sharegpt", max_rows=40, dp_rank=1, dp_world=2)
     assert total == 40 and len(rows) == 20
-    turns = normalize_sharegpt(rows[0])
+    turns = normalize_row(rows[0])
     assert isinstance(turns, list) and turns[0][0] == "user"
-    assert any(role == "assistant" for role, _ in turns)
+    assert any(turn.role == "assistant" for turn in turns)
     first, _ = load_rows("sharegpt", max_rows=1)
     assert first[0]["id"] == "QWJhYvA_0"

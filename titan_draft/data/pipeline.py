@@ -169,11 +169,11 @@ def build_dataloader(
         pad_multiple: without static shapes, round the batch length up to this multiple.
 
     Raises:
-        ValueError: naming the config key, for a missing or empty source, an unknown template or
-            an invalid size.
+        ValueError: naming the config key, for a missing or empty source, an unknown template
+            (or one whose special tokens the tokenizer lacks) or an invalid size.
     """
     try:
-        check_template(data_cfg.chat_template)
+        check_template(data_cfg.chat_template, tokenizer)
     except ValueError as e:
         raise ValueError(f"data.chat_template: {e}") from None
     if data_cfg.max_length <= 0:
@@ -193,9 +193,14 @@ def build_dataloader(
             f"data.source: {total} rows (data.max_rows={data_cfg.max_rows}) leave DP rank "
             f"{dp_rank} of {dp_world} with none"
         )
+    chat_format = data_cfg.chat_template
+    if chat_format == "qwen3":
+        chat_format += f" (enable_thinking={data_cfg.enable_thinking})"
+    if data_cfg.last_turn_only:
+        chat_format += ", last assistant turn only"
     logger.info(
         "data: %s, %d rows, %d on DP rank %d/%d, template %s, max_length %d, %s shapes",
-        data_cfg.source, total, len(rows), dp_rank, dp_world, data_cfg.chat_template,
+        data_cfg.source, total, len(rows), dp_rank, dp_world, chat_format,
         data_cfg.max_length, "static" if static_shapes else "dynamic",
     )  # fmt: skip
 
@@ -207,6 +212,8 @@ def build_dataloader(
         max_length=data_cfg.max_length,
         seed=seed,
         shuffle=data_cfg.shuffle,
+        enable_thinking=data_cfg.enable_thinking,
+        last_turn_only=data_cfg.last_turn_only,
     )
     node: tn.BaseNode = tn.Batcher(source, batch_size=local_batch_size, drop_last=True)
     collate = _Collate(

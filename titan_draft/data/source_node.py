@@ -13,7 +13,7 @@ import torch
 import torchdata.nodes as tn
 
 from titan_draft.data.chat_template import render_chat
-from titan_draft.data.sources import normalize_sharegpt
+from titan_draft.data.sources import normalize_row
 from titan_draft.data.tokenizer import Tokenizer
 
 __all__ = ["ChatSourceNode", "Sample", "STATE_KEY"]
@@ -38,6 +38,8 @@ class ChatSourceNode(tn.BaseNode[Sample]):
         tokenizer: the target's tokenizer.
         template: chat template name.
         system_prompt: system turn for conversations without one.
+        enable_thinking: ``qwen3`` thinking mode (see ``render_chat``).
+        last_turn_only: train on each conversation's last assistant turn only.
         max_length: tokens kept per sample (longer samples are truncated).
         seed: shuffle seed (``training.seed``).
         shuffle: permute the rows each epoch; otherwise read them in source order.
@@ -56,12 +58,16 @@ class ChatSourceNode(tn.BaseNode[Sample]):
         max_length: int,
         seed: int,
         shuffle: bool,
+        enable_thinking: bool = True,
+        last_turn_only: bool = False,
     ):
         super().__init__()
         self.rows = rows
         self.tokenizer = tokenizer
         self.template = template
         self.system_prompt = system_prompt
+        self.enable_thinking = enable_thinking
+        self.last_turn_only = last_turn_only
         self.max_length = max_length
         self.seed = seed
         self.shuffle = shuffle
@@ -101,10 +107,17 @@ class ChatSourceNode(tn.BaseNode[Sample]):
         self._skip_counts[reason] = self._skip_counts.get(reason, 0) + 1
 
     def _sample(self, row: Any) -> Sample | str:
-        turns = normalize_sharegpt(row)
+        turns = normalize_row(row)
         if isinstance(turns, str):
             return turns
-        ids, mask = render_chat(turns, self.tokenizer, self.template, self.system_prompt)
+        ids, mask = render_chat(
+            turns,
+            self.tokenizer,
+            self.template,
+            self.system_prompt,
+            enable_thinking=self.enable_thinking,
+            last_turn_only=self.last_turn_only,
+        )
         ids, mask = ids[: self.max_length], mask[: self.max_length]
         if not any(mask):
             return "no_loss_tokens"

@@ -4,6 +4,20 @@ A source is read once, up front, into a list of raw rows; only this DP rank's ro
 a large JSON costs each rank its share of memory, not the whole file. Rows are normalized
 lazily, in the pipeline, so that an unusable row is skipped and counted where it would have been
 trained on (the count is part of the resumable state) instead of failing the whole load.
+
+Row forms, detected per row and per turn:
+
+- ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, ...]}``.
+- OpenAI messages: ``{"messages": [{"role": "user", "content": "..."}, ...]}``; an assistant
+  message may carry ``reasoning_content`` (a string), its reasoning kept apart from the answer.
+  ``content`` may also be a list of parts: a list of only ``{"type": "text", "text": ...}``
+  parts is joined with no separator (as the API and Qwen's templates concatenate them); any
+  other part (an image, audio) makes the row unusable, since the target would see a hole.
+
+A row with both keys is read from ``conversations``. Files are ``.jsonl`` (one row a line) or
+``.json`` (a list of rows, or JSON Lines under a .json name); a folder means the .json/.jsonl
+files directly in it, in name order (subfolders are not read, so a dataset's metadata or other
+splits next to it are never picked up by accident; they are named in the log).
 """
 
 from __future__ import annotations
@@ -14,26 +28,32 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from titan_draft.data.chat_template import Turn
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "BAD_JSON",
     "SKIP_REASONS",
     "load_rows",
+    "normalize_row",
     "normalize_sharegpt",
 ]
 
 SKIP_REASONS = (
-    "bad_json",
-    "no_conversations",
-    "unknown_role",
-    "empty_turn",
-    "non_text_content",
-    "no_assistant_turn",
+    "bad_json",  # a .jsonl line (or a cut-off last row) that does not parse
+    "no_conversations",  # not an object with a non-empty "conversations" / "messages" list
+    "unknown_role",  # a speaker that is none of system / user / assistant (or their aliases)
+    "tool_use",  # tool messages or tool calls: no format here renders them
+    "empty_turn",  # a turn whose text is empty or whitespace
+    "non_text_content",  # a turn that is not an object, or text that is not a string / text parts
+    "misplaced_system",  # a system turn after the first turn (templates only honour the first)
+    "consecutive_same_role",  # two user or two assistant turns in a row: turns went missing
+    "no_assistant_turn",  # no assistant turn answering a user turn
     "no_loss_tokens",  # set by the pipeline: the mask did not survive truncation
 )
 
-# ShareGPT dumps disagree on speaker names; these are the ones seen in the wild.
+# Speaker names seen in ShareGPT dumps and OpenAI-style data, lower-cased.
 _ROLE_MAP = {
     "human": "user",
     "user": "user",
@@ -42,6 +62,7 @@ _ROLE_MAP = {
     "chatgpt": "assistant",
     "system": "system",
 }
+_TOOL_ROLES = frozenset({"tool", "function", "function_call", "observation", "ipython"})
 
 
 class _BadJson:
@@ -56,37 +77,95 @@ class _BadJson:
 BAD_JSON = _BadJson()
 
 
-def normalize_sharegpt(row: Any) -> list[tuple[str, str]] | str:
-    """Turns ``[(role, text), ...]`` of a ShareGPT row, or the reason it cannot be used.
+def _text_of(content: Any) -> str | None:
+    """The text of a message's content, or None when it is not text."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return "".join(part["text"] for part in content)
+    return None
+
+
+def _normalize_turn(raw: Any) -> Turn | str:
+    """One turn of either form, or the reason the row cannot be used."""
+    if not isinstance(raw, dict):
+        return "non_text_content"
+    if "role" in raw:
+        speaker, content = raw.get("role"), raw.get("content")
+    else:
+        speaker, content = raw.get("from"), raw.get("value")
+    speaker = str(speaker or "").lower()
+    if speaker in _TOOL_ROLES or raw.get("tool_calls") or raw.get("function_call"):
+        return "tool_use"
+    role = _ROLE_MAP.get(speaker)
+    if role is None:
+        return "unknown_role"
+    text = _text_of(content)
+    if text is None:
+        return "non_text_content"
+    if not text.strip():
+        return "empty_turn"
+    reasoning = raw.get("reasoning_content") if role == "assistant" else None
+    if reasoning is not None and not isinstance(reasoning, str):
+        return "non_text_content"
+    return Turn(role, text, reasoning)
+
+
+def _check_structure(turns: list[Turn]) -> list[Turn] | str:
+    """The conversation from its first user turn to its last assistant turn, or the reason the
+    row cannot be used.
+
+    Leading assistant turns are dropped: ShareGPT V3 splits long conversations into pieces and
+    about a third of them start with an answer whose question is in another piece. Trailing
+    user turns are dropped: they carry no loss, and under Qwen3 a trailing query would turn the
+    last answer into history (rendered without its think block). Both cuts keep a real prefix
+    or suffix; nothing in the middle is ever removed.
+    """
+    roles = [turn.role for turn in turns]
+    if "system" in roles[1:]:
+        return "misplaced_system"
+    if any(a == b for a, b in zip(roles, roles[1:])):
+        return "consecutive_same_role"
+    first = 1 if roles[0] == "system" else 0
+    first_user = next((i for i in range(first, len(roles)) if roles[i] == "user"), None)
+    last_assistant = max((i for i, role in enumerate(roles) if role == "assistant"), default=-1)
+    if first_user is None or last_assistant < first_user:
+        return "no_assistant_turn"
+    return turns[:first] + turns[first_user : last_assistant + 1]
+
+
+def normalize_row(row: Any) -> list[Turn] | str:
+    """Turns of a ShareGPT or OpenAI-messages row, or the reason it cannot be used.
 
     The reason is one of ``SKIP_REASONS``. A row is all or nothing: dropping one bad turn would
     glue two same-role turns together and teach the draft a conversation that never happened.
     """
     if row is BAD_JSON:
         return "bad_json"
-    convs = row.get("conversations") if isinstance(row, dict) else None
+    convs = None
+    if isinstance(row, dict):
+        convs = row.get("conversations") if "conversations" in row else row.get("messages")
     if not isinstance(convs, list) or not convs:
         return "no_conversations"
-    turns: list[tuple[str, str]] = []
-    for turn in convs:
-        if not isinstance(turn, dict):
-            return "non_text_content"
-        role = _ROLE_MAP.get(str(turn.get("from", "")).lower())
-        if role is None:
-            return "unknown_role"
-        value = turn.get("value")
-        if not isinstance(value, str):
-            return "non_text_content"
-        if not value.strip():
-            return "empty_turn"
-        turns.append((role, value))
-    if not any(role == "assistant" for role, _ in turns):
-        return "no_assistant_turn"
-    return turns
+    turns: list[Turn] = []
+    for raw in convs:
+        turn = _normalize_turn(raw)
+        if isinstance(turn, str):
+            return turn
+        turns.append(turn)
+    return _check_structure(turns)
+
+
+# The name from when only ShareGPT rows were read (titan_draft.data exports it).
+normalize_sharegpt = normalize_row
 
 
 def _iter_json_list(path: Path, *, allow_truncated: bool = False) -> Iterator[Any]:
-    """Items of a top-level JSON list, decoded one at a time (stops early for ``max_rows``).
+    """Items of a top-level JSON list, decoded one at a time (stops early for ``max_rows``), or
+    of a JSON Lines file named .json.
 
     With ``allow_truncated``, a file cut off mid-row (it does not end in ``]``) yields its
     complete rows, then ``BAD_JSON`` for the cut row, and logs a warning; a parse error anywhere
@@ -97,6 +176,10 @@ def _iter_json_list(path: Path, *, allow_truncated: bool = False) -> Iterator[An
     decoder = json.JSONDecoder()
     pos = _skip_ws(text, 0)
     if not text.startswith("[", pos):
+        if _is_json_lines(text, pos):
+            del text  # streamed again line by line; do not hold the whole file meanwhile
+            yield from _iter_jsonl(path)
+            return
         raise ValueError(f"data.source: {path} is not a JSON list of rows")
     pos = _skip_ws(text, pos + 1)
     if text.startswith("]", pos):
@@ -121,6 +204,19 @@ def _iter_json_list(path: Path, *, allow_truncated: bool = False) -> Iterator[An
         if not text.startswith(",", pos):
             raise ValueError(f"data.source: {path} is not valid JSON: expected ',' at char {pos}")
         pos = _skip_ws(text, pos + 1)
+
+
+def _is_json_lines(text: str, pos: int) -> bool:
+    """Whether ``text`` holds one JSON object per line (many datasets name such files .json):
+    its first value parses and is followed, after a newline, by more."""
+    if not text.startswith("{", pos):
+        return False
+    try:
+        _, end = json.JSONDecoder().raw_decode(text, pos)
+    except json.JSONDecodeError:
+        return False
+    next_value = _skip_ws(text, end)
+    return next_value < len(text) and "\n" in text[end:next_value]
 
 
 def _skip_ws(text: str, pos: int) -> int:
@@ -162,6 +258,9 @@ def _iter_source(source: str) -> Iterator[Any]:
         raise ValueError(f"data.source: {source!r} does not exist (expected 'sharegpt' or a path)")
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl") and p.is_file())
+        subfolders = sorted(p.name for p in path.iterdir() if p.is_dir())
+        if subfolders:
+            logger.info("data.source: subfolders of %s are not read: %s", source, subfolders)
         if not files:
             raise ValueError(f"data.source: folder {source!r} has no .json or .jsonl files")
         for f in files:
