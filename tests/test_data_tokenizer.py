@@ -21,6 +21,14 @@ def test_special_token_ids(tok):
     assert tok.pad_id == 151643
     assert tok.n_vocab == 151669
     assert tok.name == "qwen3"
+    assert (tok.pad_token, tok.eos_token, tok.bos_token) == ("<|endoftext|>", "<|im_end|>", None)
+    assert tok.normalizer == "NFC"
+    # Qwen's tokenizer_config marks the tool/fim/think tokens "special": false.
+    assert tok.non_special_tokens == {
+        "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+        "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+        "<think>", "</think>",
+    }
 
 
 def test_full_special_token_table(tok):
@@ -30,6 +38,8 @@ def test_full_special_token_table(tok):
     <|fim_middle|> <|fim_suffix|> <|fim_pad|> <|repo_name|> <|file_sep|> <tool_response>
     </tool_response> <think> </think>""".split()
     assert {n: tok.token_id(n) for n in names} == {n: 151643 + i for i, n in enumerate(names)}
+    assert tok.special_tokens == {n: 151643 + i for i, n in enumerate(names)}
+    assert list(tok.special_tokens) == names  # in id order
     assert tok.encoding.special_tokens_set == set(names)
 
 

