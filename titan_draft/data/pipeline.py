@@ -185,6 +185,16 @@ def build_dataloader(
     if pad_multiple <= 0:
         raise ValueError(f"pad_multiple must be > 0, got {pad_multiple}")
 
+    # --- synthetic source (benchmarks): token rows made in memory, same pipeline after the source
+    from titan_draft.components.synthetic import build_synthetic_dataloader, is_synthetic_source
+
+    if is_synthetic_source(data_cfg.source):
+        return build_synthetic_dataloader(
+            data_cfg, tokenizer.pad_id, dp_rank=dp_rank, dp_world=dp_world, local_batch_size=local_batch_size,
+            seed=seed, static_shapes=static_shapes, pad_multiple=pad_multiple,
+        )
+    # --- end synthetic source
+
     rows, total = load_rows(
         data_cfg.source, max_rows=data_cfg.max_rows, dp_rank=dp_rank, dp_world=dp_world
     )

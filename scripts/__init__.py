@@ -1,0 +1,1 @@
+"""Command-line tools (benchmark, ...); a package so their modules import one another."""

@@ -1,0 +1,216 @@
+"""The benchmark (scripts/benchmark.py) and the synthetic source/target it runs on.
+
+The end-to-end test runs the benchmark's tiny flavor on CPU through real Trainers, so a change
+that breaks the benchmark (or the job path it measures) fails here, not on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from titan_draft.components.synthetic import (
+    SyntheticSourceNode,
+    build_synthetic_dataloader,
+    build_synthetic_target,
+    synthetic_sample,
+)
+from titan_draft.components.target import build_target
+from titan_draft.config import ConfigManager
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "scripts", "benchmark.py")
+
+
+def _load_benchmark_module():
+    """scripts/benchmark.py as a module (scripts/ is not an installed package)."""
+    spec = importlib.util.spec_from_file_location("titan_draft_benchmark_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- synthetic source ----
+
+
+@pytest.mark.parametrize("mode", ["fixed", "varmask", "varlen"])
+def test_synthetic_sample_modes(mode):
+    for row in range(20):
+        ids, mask = synthetic_sample(mode, 128, seed=3, row=row)
+        assert len(ids) == len(mask)
+        assert all(0 <= i < 151643 for i in ids)
+        if mode == "varlen":
+            assert 16 <= len(ids) <= 128
+        else:
+            assert len(ids) == 128
+        if mode == "fixed":
+            assert all(mask)
+        else:
+            prompt = mask.index(True)
+            # a prompt prefix of 20-80 %, then every token is supervised
+            assert 0.2 * len(ids) - 1 <= prompt <= 0.8 * len(ids)
+            assert all(mask[prompt:]) and not any(mask[:prompt])
+    assert synthetic_sample(mode, 128, 3, 5) == synthetic_sample(mode, 128, 3, 5)
+    assert synthetic_sample(mode, 128, 3, 5) != synthetic_sample(mode, 128, 4, 5)
+
+
+def test_synthetic_dataloader_shapes_and_resume():
+    cfg = ConfigManager().parse_args(["--data.source", "synthetic:varlen", "--data.max_length", "64",
+                                      "--data.max_rows", "10"])
+    kwargs = dict(dp_rank=1, dp_world=2, local_batch_size=2, seed=7, pad_multiple=16)
+    loader = build_synthetic_dataloader(cfg.data, 0, static_shapes=False, **kwargs)
+    assert loader.rows_per_rank == 5
+    first = [next(loader) for _ in range(3)]
+    for b in first:
+        assert b["input_ids"].shape[1] % 16 == 0 and b["input_ids"].shape[1] <= 64
+        assert b["loss_mask"].shape == b["input_ids"].shape
+        assert int(b["valid_lengths"].max()) <= b["input_ids"].shape[1]
+    assert loader.epoch == 1 and sum(loader.skip_counts.values()) == 0
+    state = loader.state_dict()
+    expected = [next(loader) for _ in range(2)]
+    resumed = build_synthetic_dataloader(cfg.data, 0, static_shapes=False, **kwargs)
+    resumed.load_state_dict(state)
+    for want, got in zip(expected, [next(resumed) for _ in range(2)]):
+        for key in want:
+            assert torch.equal(want[key], got[key])
+    static = build_synthetic_dataloader(cfg.data, 0, static_shapes=True, **kwargs)
+    assert next(static)["input_ids"].shape == (2, 64)
+
+
+def test_synthetic_source_rejects_unknown_mode():
+    cfg = ConfigManager().parse_args(["--data.source", "synthetic:nope"])
+    with pytest.raises(ValueError, match="data.source"):
+        build_synthetic_dataloader(cfg.data, 0, dp_rank=0, dp_world=1, local_batch_size=2, seed=0,
+                                   static_shapes=True, pad_multiple=1)
+    with pytest.raises(ValueError):
+        SyntheticSourceNode("nope", num_rows=4, max_length=8, seed=0, dp_rank=0, dp_world=1)
+
+
+# ---- synthetic target ----
+
+
+def test_synthetic_target_features_and_tables():
+    cfg = ConfigManager().parse_args(["--target.flavor", "synthetic:debugmodel"])
+    bundle = build_target(cfg, torch.device("cpu"), torch.float32)
+    assert bundle.source == "synthetic:debugmodel" and bundle.family == "qwen3"
+    assert list(bundle.model.parameters()) == []  # nothing for the target's FSDP wrapping to shard
+    a = bundle.args
+    ids = torch.zeros(2, 24, dtype=torch.long)
+    aux, last = bundle.model.capture(ids, [1, 3], False)
+    assert aux.shape == (2, 24, 2 * a.hidden_size) and aux.dtype == torch.float32 and last is None
+    aux2, last = bundle.model.capture(ids, [0], True)
+    assert aux2.shape == (2, 24, a.hidden_size) and last.shape == (2, 24, a.hidden_size)
+    with pytest.raises(ValueError, match="capture layer ids"):
+        bundle.model.capture(ids, [a.num_hidden_layers], False)
+    embed, head = bundle.model.embed_weight(), bundle.model.lm_head_weight()
+    assert embed.shape == (a.vocab_size, a.hidden_size)
+    assert torch.equal(embed, bundle.model.embed_weight())  # seeded: the same table every call
+    assert torch.equal(embed, head) == a.tie_word_embeddings
+
+
+def test_synthetic_target_rejects_unknown_flavor():
+    cfg = ConfigManager().parse_args(["--target.flavor", "synthetic:nope"])
+    with pytest.raises(ValueError, match="target.flavor"):
+        build_synthetic_target(cfg, torch.device("cpu"), torch.float32)
+
+
+# ---- the benchmark, end to end (tiny flavor, CPU) ----
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    # compile with aot_eager: the compile path and its counters, without a C++ build on CPU
+    cmd = [sys.executable, SCRIPT, "--tiny", "--drafts", "dflash2", "--modes", "varmask", "--accum", "2",
+           "--variants", "eager,static,compile", "--warmup", "1", "--steps", "2", "--out", str(out),
+           "--", "--compile.backend", "aot_eager"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out, proc.stdout
+
+
+@pytest.mark.slow
+def test_benchmark_tiny_writes_sane_results(tiny_run):
+    out, stdout = tiny_run
+    names = [f"tiny-dflash2-varmask-acc2-synthetic-{v}" for v in ("eager", "static", "compile")]
+    for name in names:
+        path = out / f"{name}.json"
+        assert path.is_file(), stdout + "".join(p.read_text()[-2000:] for p in (out / "logs").iterdir())
+        r = json.loads(path.read_text())
+        assert r["status"] == "ok" and r["name"] == name
+        assert r["world_size"] == 1 and r["batch"] == 2 and r["seq"] == 64
+        assert r["torch"] == torch.__version__ and r["device_name"] == "cpu"
+        assert r["date"] and "scripts/benchmark.py" in r["command"]
+        assert len(r["step_ms"]) == r["warmup"] + r["steps"] == 3
+        assert r["step_ms_median"] > 0
+        assert r["step_ms_min"] <= r["step_ms_median"] <= r["step_ms_max"]
+        # 2 samples x 2 micro-batches per step; every varmask sample is 64 tokens long
+        assert r["samples_per_s"] == pytest.approx(4 / (r["step_ms_median"] / 1e3), rel=1e-6)
+        assert r["tokens_per_s"] == pytest.approx(64 * r["samples_per_s"], rel=1e-6)
+        assert r["model_tflop_per_step"] > 0
+        assert r["achieved_tflops"] == pytest.approx(r["model_tflop_per_step"] / (r["step_ms_median"] / 1e3))
+        assert r["mfu_pct"] is None and r["peak_allocated_gib"] is None  # no GPU peak on CPU
+        assert 0 <= r["data_wait_pct"] < 100 and r["data_wait_ms_mean"] >= 0
+        assert isinstance(r["recompiles_after_warmup"], int) and r["recompiles_after_warmup"] == 0
+        assert isinstance(r["compile_warmup_s"], float)
+        assert math.isfinite(r["final_loss"])
+        assert r["run_info"]["draft"] == "dflash2/debugmodel"
+        assert r["run_info"]["target"] == "synthetic:debugmodel"
+    runs = {n: json.loads((out / f"{n}.json").read_text())["run_info"] for n in names}
+    assert not runs[names[0]]["static_shapes"] and runs[names[1]]["static_shapes"]
+    assert runs[names[2]]["compile"] and not runs[names[1]]["compile"]
+    compiled = json.loads((out / f"{names[2]}.json").read_text())
+    assert compiled["dynamo_frames_warmup"] > 0  # the blocks were compiled during warm-up
+
+
+@pytest.mark.slow
+def test_benchmark_tiny_table(tiny_run):
+    out, _ = tiny_run
+    table = (out / "results.md").read_text()
+    assert "SpecForge dflash (anchor)" in table and "| 395 | 5.06 |" in table
+    for variant in ("eager", "static", "compile"):
+        assert f"| dflash2 (tiny) | varmask | 2 | synthetic | {variant} |" in table
+    header = next(line for line in table.splitlines() if line.startswith("| draft"))
+    for column in ("step ms", "samples/s", "× anchor", "MFU %", "peak alloc GiB", "data wait ms (%)",
+                   "warm-up s", "recompiles"):
+        assert column in header
+    assert "torch " + torch.__version__ in table
+
+
+def test_report_merges_folders_and_shows_failures(tmp_path):
+    bench = _load_benchmark_module()
+    ok = {
+        "schema": bench.SCHEMA, "name": "dflash-varmask-acc1-synthetic-eager", "status": "ok",
+        "case": {"draft": "dflash", "mode": "varmask", "accum": 1, "target": "synthetic", "variant": "eager",
+                 "tiny": False},
+        "date": "2026-11-29T10:00:00+00:00", "command": "python scripts/benchmark.py", "torch": "2.11.0",
+        "device_name": "NVIDIA H200", "world_size": 1, "step_ms_median": 400.0, "samples_per_s": 5.0,
+        "samples_per_s_per_gpu": 5.0, "tokens_per_s": 10240.0, "model_tflop_per_step": 140.3,
+        "achieved_tflops": 350.8, "mfu_pct": 35.5, "peak_allocated_gib": 30.0, "peak_reserved_gib": 32.0,
+        "data_wait_ms_mean": 0.5, "data_wait_pct": 0.1, "compile_warmup_s": 20.0, "recompiles_after_warmup": 0,
+    }
+    fast = dict(ok, name="dflash-varmask-acc1-synthetic-float8", step_ms_median=200.0, samples_per_s=10.0,
+                samples_per_s_per_gpu=10.0, case=dict(ok["case"], variant="float8"))
+    failed = {"schema": bench.SCHEMA, "name": "dflash-varmask-acc1-synthetic-compile", "status": "timeout (420 s)",
+              "case": dict(ok["case"], variant="compile"), "date": ok["date"],
+              "error_tail": "Traceback\nRuntimeError: boom\nmore output"}
+    (tmp_path / "chunk1").mkdir()
+    (tmp_path / "chunk1" / "a.json").write_text(json.dumps(ok))
+    (tmp_path / "b.json").write_text(json.dumps(fast))
+    (tmp_path / "c.json").write_text(json.dumps(failed))
+    (tmp_path / "unrelated.json").write_text(json.dumps({"x": 1}))
+    table = open(bench.write_report(str(tmp_path))).read()
+    assert tuple(bench.VARIANTS) == bench.VARIANT_ORDER  # the table orders every variant the CLI runs
+    rows = [line for line in table.splitlines() if line.startswith("| dflash |")]
+    assert [row.split(" | ")[4] for row in rows] == ["eager", "compile", "float8"]
+    assert "| 2.00 |" in rows[2]  # float8 vs eager
+    assert "| 1.98 |" in rows[2]  # 10.0 samples/s over the anchor's 5.06
+    assert "timeout (420 s)" in rows[1] and "RuntimeError: boom" in table
