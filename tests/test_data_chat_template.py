@@ -298,3 +298,22 @@ def test_template_and_role_errors(tok, llama_tok):
         render_chat([("user", "Hi"), ("assistant", "Yo")], llama_tok, template="chatml")
     check_template("qwen3", tok)
     check_template("llama3", llama_tok)
+
+
+def test_auto_template_follows_the_tokenizer(tok, llama_tok):
+    from titan_draft.data.chat_template import resolve_template
+
+    assert resolve_template("auto", tok) == "qwen3"  # ChatML + think tokens
+    assert resolve_template("auto", llama_tok) == "llama3"
+    assert resolve_template("chatml", llama_tok) == "chatml"  # an explicit name is kept
+    enc = tok.encoding
+    qwen25 = Tokenizer("qwen2.5", tiktoken.Encoding(
+        name="q25", pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks,
+        special_tokens={"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}),
+        pad_token="<|endoftext|>")
+    assert resolve_template("auto", qwen25) == "chatml"
+    bare = Tokenizer("bare", tiktoken.Encoding(
+        name="bare", pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks,
+        special_tokens={"<|endoftext|>": 151643}), pad_token="<|endoftext|>")
+    with pytest.raises(ValueError, match="'auto' found no known chat format"):
+        resolve_template("auto", bare)

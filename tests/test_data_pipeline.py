@@ -32,6 +32,7 @@ def _write(path, lines):
 
 
 def _build(tok, source, *, bs=3, rank=0, world=1, seed=7, static=False, pad_multiple=1, **data):
+    data.setdefault("chat_template", "chatml")  # the lengths below were measured with it
     cfg = Data(source=source, max_length=data.pop("max_length", 64), **data)
     return build_dataloader(cfg, tok, dp_rank=rank, dp_world=world, local_batch_size=bs,
                             seed=seed, static_shapes=static, pad_multiple=pad_multiple)  # fmt: skip
@@ -251,13 +252,13 @@ def test_chat_options_reach_the_samples(tok, tmp_path, thinking, last_only, expe
 
 def test_validate_chat_options():
     cfg = JobConfig()
-    assert cfg.data.chat_template == "chatml" and cfg.data.enable_thinking
+    assert cfg.data.chat_template == "auto" and cfg.data.enable_thinking
     assert not cfg.data.last_turn_only
-    for name in ("chatml", "qwen3", "llama3"):
+    for name in ("auto", "chatml", "qwen3", "llama3"):
         cfg.data.chat_template = name
         validate_job_config(cfg)
     cfg.data.chat_template = "qwen"
-    with pytest.raises(ConfigError, match=r"chat_template = 'qwen' must be one of chatml, qwen3,"):
+    with pytest.raises(ConfigError, match=r"chat_template = 'qwen' must be one of auto, chatml, qwen3,"):
         validate_job_config(cfg)
     cfg.data.chat_template = "chatml"
     cfg.data.enable_thinking = False

@@ -41,10 +41,20 @@ def chat_jsonl(tmp_path_factory):
     return str(path)
 
 
+_TARGET: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _target(random_target_dir):
+    # debug_model.toml names ./outputs/targets/qwen3_debug; the tests write their own copy
+    _TARGET[:] = [random_target_dir]
+
+
 def _args(dump, data, *extra):
     return [
         "--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
         "--job.dump_folder", str(dump),
+        "--target.path", _TARGET[0],
         "--data.source", data,
         "--data.max_length", "128",
         "--data.max_rows", "0",
@@ -189,3 +199,65 @@ def test_accumulation_divides_by_the_global_denominator(tmp_path, chat_jsonl):
     finally:
         trainer.close()
         destroy_distributed()
+
+
+LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+                   "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
+                   "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>")
+
+
+@pytest.fixture(scope="module")
+def llama_target_dir(tmp_path_factory):
+    """A random-weight Llama-3-architecture HF folder whose tokenizer.json has Llama-3's special
+    tokens (on Qwen's BPE ranks: no Llama ranks ship with the tests) and no spare embedding rows,
+    so the mask token must be a reserved special token."""
+    import tiktoken
+    from dataclasses import replace
+
+    from models.llama3 import TARGET_FLAVORS
+    from models.qwen3 import Qwen3Model, save_hf_checkpoint
+    from titan_draft.data.tokenizer import Tokenizer, build_tokenizer, save_hf_tokenizer
+
+    qwen = build_tokenizer("qwen3").encoding
+    ranks = qwen._mergeable_ranks
+    enc = tiktoken.Encoding(name="llama3-test", pat_str=qwen._pat_str, mergeable_ranks=ranks,
+                            special_tokens={t: len(ranks) + i for i, t in enumerate(LLAMA3_SPECIALS)})
+    tok = Tokenizer("llama3-test", enc, pad_token="<|end_of_text|>", normalizer=None,
+                    bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    folder = tmp_path_factory.mktemp("targets") / "llama3_debug"
+    args = replace(TARGET_FLAVORS["debugmodel"], vocab_size=enc.n_vocab)
+    model = Qwen3Model(args)
+    model.init_weights(seed=5)
+    save_hf_checkpoint(model, str(folder), dtype=torch.bfloat16)
+    save_hf_tokenizer(tok, str(folder))
+    (folder / "config.json").write_text(json.dumps(args.to_hf_config()))
+    return str(folder), len(ranks) + LLAMA3_SPECIALS.index("<|reserved_special_token_0|>")
+
+
+def test_llama3_target_trains_with_its_own_tokenizer_format_and_mask(tmp_path, chat_jsonl, llama_target_dir):
+    folder, reserved0 = llama_target_dir
+    argv = _args(tmp_path, chat_jsonl, "--target.path", folder, "--training.steps", "3",
+                 "--checkpoint.enable", "false", "--training.static_shapes", "false")
+    cfg = ConfigManager().parse_args(argv)
+    trainer = Trainer(cfg)
+    try:
+        assert trainer.target.family == "llama3" and not trainer.target.args.qk_norm
+        assert trainer.run_info["chat_template"] == "llama3"
+        assert trainer.model_args.mask_token_id == reserved0  # no spare rows: a reserved token
+        batch = next(iter(trainer.dataloader))
+        text = trainer.tokenizer.decode(batch["input_ids"][0, : int(batch["valid_lengths"][0])].tolist())
+        assert text.startswith("<|begin_of_text|><|start_header_id|>")
+        header = {trainer.tokenizer.token_id(t) for t in ("<|start_header_id|>", "<|end_header_id|>")}
+        eot = trainer.tokenizer.token_id("<|eot_id|>")
+        for ids, mask, n in zip(batch["input_ids"], batch["loss_mask"], batch["valid_lengths"]):
+            trained = ids[mask].tolist()
+            assert trained and not header & set(trained)
+            if n < cfg.data.max_length:  # not truncated: the answer ends with its <|eot_id|>
+                assert trained[-1] == eot
+        losses = trainer.train()
+        assert len(losses) == 3 and all(math.isfinite(v) for v in losses.values())
+    finally:
+        trainer.close()
+        destroy_distributed()
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert json.dumps(config).count(f'"mask_token_id": {reserved0}') >= 1

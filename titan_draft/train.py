@@ -21,11 +21,16 @@ from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.metrics import MetricsLogger, get_peak_flops
 from titan_draft.components.optimizer import build_optimizer
 from titan_draft.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
-from titan_draft.components.target import build_target, check_target_config, compute_features
+from titan_draft.components.target import (
+    build_target,
+    build_target_tokenizer,
+    check_target_config,
+    compute_features,
+)
 from titan_draft.config import ConfigManager, validate_job_config, write_job_config
 from titan_draft.config.job_config import JobConfig
+from titan_draft.data.chat_template import resolve_template
 from titan_draft.data.pipeline import build_dataloader
-from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.distributed.parallelize import mixed_precision_dtypes, to_dtype
 from titan_draft.distributed.utils import (
     ParallelDims,
@@ -49,8 +54,9 @@ class _LogWindow:
     data_wait: float = 0.0
 
 
-def resolve_model_args(spec, cfg: JobConfig, target_args, static_shapes: bool):
-    """Flavor args + [model.args] overrides + facts taken from the target."""
+def resolve_model_args(spec, cfg: JobConfig, target_args, static_shapes: bool, tokenizer=None):
+    """Flavor args + [model.args] overrides + facts taken from the target (and, for drafts with
+    a mask token, an unused id of the target's tokenizer unless model.args sets one)."""
     if cfg.model.flavor not in spec.flavors:
         raise ValueError(f"model.flavor: {cfg.model.flavor!r} is not a {spec.name} flavor ({sorted(spec.flavors)})")
     args = spec.flavors[cfg.model.flavor]
@@ -72,6 +78,10 @@ def resolve_model_args(spec, cfg: JobConfig, target_args, static_shapes: bool):
         raise ValueError(
             f"target.capture_layers: ids {bad} are outside the target's {target_args.num_hidden_layers} layers"
         )
+    if tokenizer is not None and "mask_token_id" in names and "mask_token_id" not in cfg.model.args:
+        # never an id the data contains: Qwen3 151669 (first row past the tokenizer), Llama-3
+        # <|reserved_special_token_0|> (128002)
+        args = dataclasses.replace(args, mask_token_id=tokenizer.unused_token_id(target_args.vocab_size))
     return dataclasses.replace(
         args,
         target_layer_ids=layer_ids,
@@ -95,12 +105,14 @@ class Trainer:
         os.makedirs(cfg.job.dump_folder, exist_ok=True)
 
         self.spec = get_model_spec(cfg.model.name)
-        self.tokenizer = build_tokenizer("qwen3")
 
         # Target: built on the meta device, sharded, then each rank loads only its shard.
         target_dtype = cfg.target.dtype if on_gpu else "float32"  # CPU runs everything in fp32
         self.target = build_target(cfg, self.device, to_dtype(target_dtype), mesh=self.dp_mesh)
-        self.model_args = resolve_model_args(self.spec, cfg, self.target.args, cfg.training.static_shapes)
+        self.tokenizer = build_target_tokenizer(cfg, self.target.args.vocab_size)
+        self.model_args = resolve_model_args(
+            self.spec, cfg, self.target.args, cfg.training.static_shapes, self.tokenizer
+        )
         self.layer_ids = list(self.model_args.target_layer_ids)
 
         pad_multiple = 16 if cfg.float8.enable else 1
@@ -154,6 +166,9 @@ class Trainer:
             "draft": f"{cfg.model.name}/{cfg.model.flavor}",
             "draft_trainable_params": n_params,
             "target": self.target.source,
+            "tokenizer": self.tokenizer.name,
+            "chat_template": resolve_template(cfg.data.chat_template, self.tokenizer),
+            "mask_token_id": getattr(self.model_args, "mask_token_id", None),
             "target_dtype": target_dtype,
             "capture_layers": self.layer_ids,
             "param_dtype": mixed_precision_dtypes(cfg, self.device.type)[0],

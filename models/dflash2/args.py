@@ -135,7 +135,8 @@ _qwen3_8b = DFlash2Args(
     block_size=16,
     num_anchors=512,
     loss_gamma=7.0,
-    target_layer_ids=[1, 9, 17, 25, 33],
+    # target_layer_ids left empty: DFlash's rule per target ([1, 9, 17, 25, 33] for the 36-layer
+    # Qwen3-8B, [1, 8, 15, 22, 29] for the 32-layer Llama-3.1-8B)
     conv_kernel_size=2,
     conv_group_size=16,
     selector_rank=256,
@@ -148,7 +149,5 @@ dflash2_flavors: dict[str, DFlash2Args] = {
     "dflash_debugmodel": replace(
         _debug, conv_enabled=False, selector_enabled=False, target_layer_ids=[]
     ),
-    "dflash_qwen3_8b": replace(
-        _qwen3_8b, conv_enabled=False, selector_enabled=False, target_layer_ids=[1, 9, 17, 25, 33]
-    ),
+    "dflash_qwen3_8b": replace(_qwen3_8b, conv_enabled=False, selector_enabled=False),
 }

@@ -45,24 +45,45 @@ class TargetBundle:
 
 
 def check_target_config(cfg) -> None:
-    """Fail before any process group starts when the job cannot get a target."""
+    """Fail before any process group starts when the job cannot get a target or its tokenizer."""
     t = cfg.target
     where = f" (job file {cfg.job.config_file})" if cfg.job.config_file else ""
     if t.path:
         if not os.path.isdir(t.path):
-            raise ValueError(f"target.path: {t.path!r} does not exist or is not a folder{where}")
-        model_type = read_hf_config(t.path)["model_type"]
-        if model_type != "qwen3":
-            # token ids, the chat format and the mask token come from the Qwen3 tokenizer today
             raise ValueError(
-                f"target.path: {t.path} is a {model_type} model; it loads (build_target), but training "
-                "needs its own tokenizer and chat format, which only Qwen3 targets have so far"
+                f"target.path: {t.path!r} does not exist or is not a folder{where} (for a small "
+                f"random-weight test target: python scripts/write_random_target.py --out {t.path})"
             )
+        hf_config = read_hf_config(t.path)
+        _check_supported(hf_config, os.path.join(t.path, "config.json"))
+        build_target_tokenizer(cfg, hf_config.get("vocab_size", 0))  # cached for the trainer
     elif not t.flavor:
         raise ValueError(
             f"target.path is required by this job{where}: pass --target.path /path/to/hf_checkpoint_folder "
             "(or --target.flavor NAME for a random-weight target, for benchmarks only)"
         )
+
+
+def build_target_tokenizer(cfg, vocab_size: int):
+    """The target's tokenizer: ``target.tokenizer``, else the files in ``target.path``, else the
+    packaged Qwen3 BPE (random-weight targets are Qwen3-shaped). ``vocab_size`` is the target's
+    embedding rows; a tokenizer with more ids than that belongs to another model."""
+    from titan_draft.data.tokenizer import build_tokenizer
+
+    t = cfg.target
+    key, spec = ("target.tokenizer", t.tokenizer) if t.tokenizer else (
+        ("target.path", t.path) if t.path else ("target.tokenizer", "qwen3"))
+    try:
+        tokenizer = build_tokenizer(spec)
+    except ValueError as e:
+        hint = " (or point target.tokenizer at the tokenizer files)" if key == "target.path" else ""
+        raise ValueError(f"{key}: {e}{hint}") from None
+    if vocab_size and tokenizer.n_vocab > vocab_size:
+        raise ValueError(
+            f"{key}: tokenizer {tokenizer.name!r} has {tokenizer.n_vocab} ids but the target has "
+            f"{vocab_size} embedding rows; they do not belong to the same model"
+        )
+    return tokenizer
 
 
 def read_hf_config(folder: str) -> dict:

@@ -48,6 +48,10 @@ class Target:
     capture_layers: list[int] = field(default_factory=list)
     """Capture layer ids (SGLang convention: id i = output of decoder layer i). Empty: the
     draft's default rule for this target."""
+    tokenizer: str = ""
+    """The target's tokenizer: a folder with tokenizer.json (or a .tiktoken ranks file), such a
+    file, or 'qwen3' (the packaged Qwen BPE). Empty: the tokenizer files in `target.path`, and
+    'qwen3' for a random-weight target."""
 
 
 @dataclass
@@ -58,10 +62,11 @@ class Data:
     ({"conversations": [{"from", "value"}...]}) or OpenAI form ({"messages": [{"role",
     "content"}...]}, assistant messages may carry "reasoning_content"), mixed freely. Unusable
     rows are skipped and counted per reason."""
-    chat_template: str = "chatml"
+    chat_template: str = "auto"
     """Chat format rendered in code, as the target's official template renders it: 'chatml'
-    (Qwen2/Qwen2.5), 'qwen3' (ChatML with think blocks, see enable_thinking) or 'llama3'. The
-    loss covers assistant text and its end-of-turn token, never role headers."""
+    (Qwen2/Qwen2.5), 'qwen3' (ChatML with think blocks, see enable_thinking) or 'llama3'; 'auto'
+    picks the target family's ('qwen3' for Qwen3, 'llama3' for Llama-3). The loss covers
+    assistant text and its end-of-turn token, never role headers."""
     enable_thinking: bool = True
     """chat_template 'qwen3' only, as the server will run: true (Qwen3's default) trains the last
     answer's <think>...</think> block; false drops reasoning and puts the empty think block the

@@ -27,7 +27,7 @@ _CHOICES = {
     "lr_scheduler.decay_type": ("cosine", "linear", "constant"),
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
     "activation_checkpoint.mode": ("none", "full"),
-    "data.chat_template": SUPPORTED_TEMPLATES,
+    "data.chat_template": ("auto", *SUPPORTED_TEMPLATES),
 }
 # key -> smallest allowed value
 _MINIMUM = {
@@ -86,7 +86,7 @@ def validate_job_config(cfg: JobConfig, log: logging.Logger | None = None) -> li
         warnings.append("float8.enable without training.static_shapes: float8 GEMMs need token "
                         "counts divisible by 16 and pad-to-longest batches usually are not "
                         "('Expected ... to be divisible by 16'); set training.static_shapes = true")
-    if not cfg.data.enable_thinking and cfg.data.chat_template != "qwen3":
+    if not cfg.data.enable_thinking and cfg.data.chat_template not in ("qwen3", "auto"):
         warnings.append(f"data.enable_thinking = false has no effect with data.chat_template = "
                         f"{cfg.data.chat_template!r} (only 'qwen3' has a thinking mode)")
     if cfg.float8.enable and not cfg.compile.enable:

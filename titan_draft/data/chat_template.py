@@ -39,7 +39,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from titan_draft.data.tokenizer import Tokenizer
 
-__all__ = ["ROLES", "SUPPORTED_TEMPLATES", "Turn", "check_template", "render_chat"]
+__all__ = [
+    "ROLES", "SUPPORTED_TEMPLATES", "Turn", "check_template", "render_chat", "resolve_template"]
 
 ROLES = ("system", "user", "assistant")
 SUPPORTED_TEMPLATES = ("chatml", "qwen3", "llama3")
@@ -81,6 +82,21 @@ def check_template(template: str, tokenizer: Optional[Tokenizer] = None) -> None
             f"chat template {template!r} needs special token(s) {', '.join(missing)}, which "
             f"tokenizer {tokenizer.name!r} does not have (wrong template for this target?)"
         )
+
+
+def resolve_template(template: str, tokenizer: Tokenizer) -> str:
+    """``template``, or for ``"auto"`` the target family's format, read off its tokenizer:
+    Llama-3 header tokens -> 'llama3'; ChatML with think tokens (Qwen3) -> 'qwen3'; ChatML
+    without them (Qwen2/2.5) -> 'chatml'."""
+    if template != "auto":
+        return template
+    for name in ("llama3", "qwen3", "chatml"):  # most specific first: qwen3 extends chatml
+        if all(tok in tokenizer.encoding.special_tokens_set for tok in _SPECIAL_TOKENS[name]):
+            return name
+    raise ValueError(
+        f"'auto' found no known chat format in tokenizer {tokenizer.name!r} (no ChatML or "
+        f"Llama-3 header tokens); set data.chat_template to one of {', '.join(SUPPORTED_TEMPLATES)}"
+    )
 
 
 class _Rendered:

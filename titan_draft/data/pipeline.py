@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 import torchdata.nodes as tn
 
-from titan_draft.data.chat_template import check_template
+from titan_draft.data.chat_template import check_template, resolve_template
 from titan_draft.data.source_node import STATE_KEY, ChatSourceNode, Sample
 from titan_draft.data.sources import SKIP_REASONS, load_rows
 from titan_draft.data.tokenizer import Tokenizer
@@ -173,7 +173,8 @@ def build_dataloader(
             (or one whose special tokens the tokenizer lacks) or an invalid size.
     """
     try:
-        check_template(data_cfg.chat_template, tokenizer)
+        template = resolve_template(data_cfg.chat_template, tokenizer)
+        check_template(template, tokenizer)
     except ValueError as e:
         raise ValueError(f"data.chat_template: {e}") from None
     if data_cfg.max_length <= 0:
@@ -203,7 +204,7 @@ def build_dataloader(
             f"data.source: {total} rows (data.max_rows={data_cfg.max_rows}) leave DP rank "
             f"{dp_rank} of {dp_world} with none"
         )
-    chat_format = data_cfg.chat_template
+    chat_format = template
     if chat_format == "qwen3":
         chat_format += f" (enable_thinking={data_cfg.enable_thinking})"
     if data_cfg.last_turn_only:
@@ -217,7 +218,7 @@ def build_dataloader(
     source = ChatSourceNode(
         rows,
         tokenizer,
-        template=data_cfg.chat_template,
+        template=template,
         system_prompt=data_cfg.system_prompt,
         max_length=data_cfg.max_length,
         seed=seed,

@@ -37,7 +37,6 @@ __all__ = [
     "SKIP_REASONS",
     "load_rows",
     "normalize_row",
-    "normalize_sharegpt",
 ]
 
 SKIP_REASONS = (
@@ -157,10 +156,6 @@ def normalize_row(row: Any) -> list[Turn] | str:
             return turn
         turns.append(turn)
     return _check_structure(turns)
-
-
-# The name from when only ShareGPT rows were read (titan_draft.data exports it).
-normalize_sharegpt = normalize_row
 
 
 def _iter_json_list(path: Path, *, allow_truncated: bool = False) -> Iterator[Any]:
