@@ -214,3 +214,27 @@ def test_report_merges_folders_and_shows_failures(tmp_path):
     assert "| 2.00 |" in rows[2]  # float8 vs eager
     assert "| 1.98 |" in rows[2]  # 10.0 samples/s over the anchor's 5.06
     assert "timeout (420 s)" in rows[1] and "RuntimeError: boom" in table
+
+
+def test_trace_summary_busy_time_and_categories():
+    """scripts/trace_summary.py: overlapping kernels count once in busy time; kernels land in
+    their categories; blocking runtime calls are counted."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        import trace_summary
+    finally:
+        sys.path.pop(0)
+    ev = lambda name, cat, ts, dur: {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}  # noqa: E731
+    trace = {"traceEvents": [
+        ev("ProfilerStep#1", "user_annotation", 0, 1000),
+        ev("nvjet_sm90_tst_320x128_TNT", "kernel", 0, 300),
+        ev("triton_tem_fused_flex_attention_backward", "kernel", 200, 200),  # overlaps by 100
+        ev("multi_tensor_apply_kernel<FusedOptimizer>", "kernel", 600, 100),
+        ev("cudaStreamSynchronize", "cuda_runtime", 700, 5),
+    ]}
+    text = trace_summary.summarize(trace, top=5)
+    assert "wall 1.0 ms, GPU busy 0.5 ms (50.0%), kernels 3" in text
+    assert "matmul" in text and "attention" in text and "optimizer" in text
+    assert trace_summary.category("triton_tem_fused_flex_attention_backward") == "attention"
+    assert trace_summary.category("nvjet_sm90_tst_320x128") == "matmul"
+    assert "cudaStreamSynchronize x1" in text

@@ -145,3 +145,33 @@ def test_dense_mask_equals_torch_create_mask_and_backends_agree():
     torch.testing.assert_close(o_sdpa, o_flex, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="attn_backend"):
         build_attention_mask(mask_mod, 2, 7, 11, "cpu", "xformers")
+
+
+def test_chunked_ce_backward_does_not_recompute_logits():
+    """The CE gradient is formed in forward; backward must not run the [N, V] matmul again
+    (it is the most expensive op of a DFlash step after the draft's own linears)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    n, h, v = 12, 8, 40
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.vocab_wide = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.matmul, torch.ops.aten.bmm) \
+                    and isinstance(out, torch.Tensor) and out.shape[-1] == v:
+                self.vocab_wide += 1
+            return out
+
+    hidden = torch.randn(n, h, requires_grad=True)
+    out = chunked_cross_entropy(hidden, torch.randn(v, h), torch.randint(0, v, (n,)), chunk_rows=5, top_k=3)
+    loss = out.ce.sum() + out.topk_values.sum()
+    with CountMatmuls() as counter:
+        loss.backward()
+    assert counter.vocab_wide == 0 and hidden.grad.abs().sum() > 0
+    with torch.no_grad(), CountMatmuls() as counter:  # no gradient wanted: logits once per chunk
+        chunked_cross_entropy(hidden, torch.randn(v, h), torch.randint(0, v, (n,)), chunk_rows=5)
+    assert counter.vocab_wide == 3

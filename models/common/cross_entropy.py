@@ -1,9 +1,10 @@
 """Chunked cross-entropy through a frozen vocabulary projection.
 
 ``[N, V]`` logits over a 152k vocabulary are the largest tensor of a DFlash step (8k rows ->
-~5 GB in fp32), so they are produced ``chunk_rows`` rows at a time, reduced to per-row statistics
-at once, and recomputed chunk by chunk in backward. Nothing of size ``[N, V]`` is ever alive or
-saved for backward. The projection weight is frozen (a target's lm_head) and gets no gradient.
+~5 GB in fp32), so they are produced ``chunk_rows`` rows at a time and reduced at once to per-row
+statistics and, when a gradient is needed, to the ``[N, H]`` gradient of each row's CE. Nothing
+of size ``[N, V]`` is ever alive or saved for backward, and nothing is recomputed. The
+projection weight is frozen (a target's lm_head) and gets no gradient.
 """
 
 from __future__ import annotations
@@ -34,68 +35,114 @@ def _transform(z: torch.Tensor, logit_scale: float, softcap: float) -> torch.Ten
     return z
 
 
+def _chunk_stats(z, labels, logit_scale: float, softcap: float, need_grad: bool):
+    """Per-row CE, argmax and (``need_grad``) ``d CE / d z`` of one ``[c, V]`` chunk of raw
+    logits ``z`` (``u = softcap(scale * z)``), with statistics in at least fp32.
+
+    On CUDA this runs compiled (:func:`_compiled_chunk_stats`): the softmax statistics, the
+    argmax and the gradient come out of two passes over ``z`` instead of the ~10 full
+    ``[c, V]`` fp32 passes of the eager ops, which at a 152k vocabulary cost more than the
+    lm_head matmuls themselves.
+    """
+    acc_dtype = torch.promote_types(z.dtype, torch.float32)
+    u = _transform(z.to(acc_dtype), logit_scale, softcap)
+    valid = labels >= 0
+    safe = labels.clamp(min=0)
+    lse = torch.logsumexp(u, dim=-1)
+    gold = u.gather(1, safe[:, None]).squeeze(1)
+    ce = torch.where(valid, lse - gold, torch.zeros_like(gold))
+    argmax = u.argmax(dim=-1)
+    if not need_grad:
+        return ce, argmax, None
+    # d CE / d u = softmax(u) - onehot(label); 0 for rows without a label
+    vocab = torch.arange(u.shape[1], device=u.device)
+    onehot = (vocab[None, :] == safe[:, None]).to(acc_dtype)
+    grad_u = (torch.exp(u - lse[:, None]) - onehot) * valid[:, None].to(acc_dtype)
+    grad_u = _chain(grad_u, z.to(acc_dtype), logit_scale, softcap)
+    return ce, argmax, grad_u.to(z.dtype)
+
+
+_COMPILED_CHUNK_STATS = None
+
+
+def _compiled_chunk_stats():
+    global _COMPILED_CHUNK_STATS
+    if _COMPILED_CHUNK_STATS is None:
+        # static shapes: a run has at most two chunk sizes (full and last), each compiled once
+        _COMPILED_CHUNK_STATS = torch.compile(_chunk_stats, fullgraph=True, dynamic=False)
+    return _COMPILED_CHUNK_STATS
+
+
 class _ChunkedCE(torch.autograd.Function):
+    """Forward computes each chunk's logits once and, when ``hidden`` needs a gradient, also the
+    CE's gradient with respect to ``hidden`` right there (``(softmax - onehot) @ W`` per row, kept
+    as ``[N, H]``). The loss is a per-row weighted sum, so backward only scales those rows by the
+    incoming per-row gradient: the ``[N, V]`` logits are never recomputed (one lm_head matmul
+    fewer per step than recompute-in-backward, and one fewer pass over the logits)."""
+
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_rows, top_k, logit_scale, softcap):
         n = hidden.shape[0]
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        need_grad = ctx.needs_input_grad[0]
+        stats = _compiled_chunk_stats() if hidden.device.type == "cuda" else _chunk_stats
         ce = torch.empty(n, dtype=acc_dtype, device=hidden.device)
-        lse = torch.empty(n, dtype=acc_dtype, device=hidden.device)
         argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
         topv = torch.empty(n, top_k, dtype=acc_dtype, device=hidden.device)
         topi = torch.empty(n, top_k, dtype=torch.long, device=hidden.device)
+        # d ce_row / d hidden_row, in the accumulation dtype (rounded once, after scaling)
+        grad_ce = torch.empty(n, hidden.shape[1], dtype=acc_dtype, device=hidden.device) if need_grad else None
         for s in range(0, n, chunk_rows):
             e = min(s + chunk_rows, n)
-            u = _logits(hidden[s:e], weight, acc_dtype, logit_scale, softcap)
-            lab = labels[s:e]
-            lse[s:e] = torch.logsumexp(u, dim=-1)
-            gold = u.gather(1, lab.clamp(min=0).unsqueeze(1)).squeeze(1)
-            ce[s:e] = torch.where(lab >= 0, lse[s:e] - gold, torch.zeros_like(gold))
-            argmax[s:e] = u.argmax(dim=-1)
+            # the matmul runs in the weight's dtype (bf16 tables on GPU); statistics in >= fp32
+            z = hidden[s:e].to(weight.dtype) @ weight.t()
+            ce_c, argmax_c, grad_z = stats(z, labels[s:e], logit_scale, softcap, need_grad)
+            ce[s:e] = ce_c
+            argmax[s:e] = argmax_c
             if top_k > 0:
-                v, i = u.topk(top_k, dim=-1)
-                topv[s:e] = v
+                # softcap(scale * z) is increasing in z: the top-k of z are those of the logits
+                v, i = z.topk(top_k, dim=-1)
+                topv[s:e] = _transform(v.to(acc_dtype), logit_scale, softcap)
                 topi[s:e] = i
-            del u
-        ctx.save_for_backward(hidden, weight, labels, lse, topi)
-        ctx.cfg = (chunk_rows, logit_scale, softcap, acc_dtype)
+            if need_grad:
+                grad_ce[s:e] = (grad_z.to(weight.dtype) @ weight).to(acc_dtype)
+            del z, grad_z
+        ctx.save_for_backward(grad_ce, weight, topi, topv)
+        ctx.cfg = (chunk_rows, logit_scale, softcap, hidden.dtype)
         ctx.mark_non_differentiable(argmax, topi)
         return ce, argmax, topv, topi
 
     @staticmethod
     def backward(ctx, g_ce, _g_argmax, g_topv, _g_topi):
-        hidden, weight, labels, lse, topi = ctx.saved_tensors
-        chunk_rows, logit_scale, softcap, acc_dtype = ctx.cfg
-        grad_hidden = torch.empty_like(hidden)
-        n = hidden.shape[0]
-        for s in range(0, n, chunk_rows):
-            e = min(s + chunk_rows, n)
-            z = (hidden[s:e].to(weight.dtype) @ weight.t()).to(acc_dtype)
-            u = _transform(z, logit_scale, softcap)
-            grad_u = torch.zeros_like(u)
-            if g_ce is not None:
-                lab = labels[s:e]
-                g = torch.where(lab >= 0, g_ce[s:e], torch.zeros_like(g_ce[s:e])).to(acc_dtype)
-                # d CE / d u = softmax(u) - onehot(label)
-                grad_u = (u - lse[s:e, None]).exp_().mul_(g[:, None])
-                grad_u.scatter_add_(1, lab.clamp(min=0)[:, None], -g[:, None])
-            if g_topv is not None and topi.shape[1] > 0:
-                grad_u.scatter_add_(1, topi[s:e], g_topv[s:e].to(acc_dtype))
-            # chain rule through softcap(scale * z)
-            if softcap > 0.0:
-                t = torch.tanh(z * (logit_scale / softcap))
-                grad_u = grad_u * (1.0 - t * t)
-            if logit_scale != 1.0:
-                grad_u = grad_u * logit_scale
-            grad_hidden[s:e] = (grad_u.to(weight.dtype) @ weight).to(hidden.dtype)
-            del z, u, grad_u
-        return grad_hidden, None, None, None, None, None, None
+        grad_ce, weight, topi, topv = ctx.saved_tensors
+        chunk_rows, logit_scale, softcap, hidden_dtype = ctx.cfg
+        acc_dtype = grad_ce.dtype
+        n = grad_ce.shape[0]
+        grad_hidden = torch.zeros_like(grad_ce) if g_ce is None else grad_ce * g_ce.to(acc_dtype)[:, None]
+        if g_topv is not None and topi.shape[1] > 0:
+            # the top-k logits' gradient reaches hidden through their K rows of the weight only
+            for s in range(0, n, chunk_rows):
+                e = min(s + chunk_rows, n)
+                g = g_topv[s:e].to(acc_dtype)
+                if softcap > 0.0:  # u = softcap * tanh(scale * z / softcap): du/dz from u itself
+                    t = topv[s:e] / softcap
+                    g = g * (1.0 - t * t)
+                if logit_scale != 1.0:
+                    g = g * logit_scale
+                rows = weight[topi[s:e]]  # [c, K, H]
+                grad_hidden[s:e] += torch.einsum("ck,ckh->ch", g.to(weight.dtype), rows).to(acc_dtype)
+        return grad_hidden.to(hidden_dtype), None, None, None, None, None, None
 
 
-def _logits(h, weight, acc_dtype, logit_scale, softcap):
-    # The matmul runs in the weight's dtype (bf16 tables on GPU); statistics in acc_dtype.
-    z = (h.to(weight.dtype) @ weight.t()).to(acc_dtype)
-    return _transform(z, logit_scale, softcap)
+def _chain(grad_u: torch.Tensor, z: torch.Tensor, logit_scale: float, softcap: float) -> torch.Tensor:
+    """Gradient with respect to the raw logits ``z`` from the one with respect to
+    ``u = softcap(scale * z)``."""
+    if softcap > 0.0:
+        t = torch.tanh(z * (logit_scale / softcap))
+        grad_u = grad_u * (1.0 - t * t)
+    if logit_scale != 1.0:
+        grad_u = grad_u * logit_scale
+    return grad_u
 
 
 def chunked_cross_entropy(
@@ -128,6 +175,9 @@ def chunked_cross_entropy(
         raise ValueError("chunked_cross_entropy: the projection weight must be frozen")
     if chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
+    if logit_scale <= 0:
+        # the top-k are taken on the raw logits, which needs an increasing transform
+        raise ValueError(f"logit_scale must be positive, got {logit_scale}")
     ce, argmax, topv, topi = _ChunkedCE.apply(
         hidden, weight, labels, int(chunk_rows), int(top_k), float(logit_scale), float(softcap)
     )

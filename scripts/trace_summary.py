@@ -1,0 +1,105 @@
+"""Summarize a torch profiler trace: where the GPU time of the profiled step(s) goes.
+
+    python scripts/trace_summary.py outputs/bench/profile/traces/NAME.pt.trace.json.gz [--top 25]
+
+Prints the GPU busy time against the profiled wall time (the gaps are host overhead or syncs),
+time per kernel category (matmuls, attention, elementwise/fused, reductions, optimizer, copies,
+collectives), the top kernels, and the host-device syncs seen (cudaStreamSynchronize,
+cudaDeviceSynchronize, device-to-host copies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from collections import defaultdict
+
+# first match wins; patterns are matched against the lower-cased kernel name
+CATEGORIES = (
+    ("float8 matmul", r"f8|fp8|e4m3|e5m2|scaled_mm"),
+    ("matmul", r"gemm|cutlass|nvjet|sm90_xmma|cublas|matmul|_mm_"),
+    ("attention", r"flex|flash|attention|fmha|sdpa"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("collective", r"nccl"),
+    ("copy", r"memcpy|memset|copy_kernel|cat_|catarraybatched"),
+    ("reduction", r"reduce|softmax|norm|sum_|amax|max_"),
+    ("fused (triton)", r"triton"),
+    ("elementwise", r"elementwise|vectorized|unrolled|index|gather|scatter"),
+)
+
+
+def _load(path: str) -> dict:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def category(name: str) -> str:
+    lower = name.lower()
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, lower):
+            return label
+    return "other"
+
+
+def summarize(trace: dict, top: int) -> str:
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep")]
+    lines = []
+    if not kernels:
+        return "no GPU kernels in this trace (a CPU run?)"
+    start = min(e["ts"] for e in kernels)
+    end = max(e["ts"] + e["dur"] for e in kernels)
+    busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    wall = sum(e["dur"] for e in steps) if steps else end - start
+    lines.append(f"profiled steps: {len(steps)}, wall {wall / 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms "
+                 f"({100 * busy / max(wall, 1):.1f}%), kernels {len(kernels)}")
+    by_cat: dict[str, float] = defaultdict(float)
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        by_cat[category(e["name"])] += e["dur"]
+        by_name[e["name"]][0] += e["dur"]
+        by_name[e["name"]][1] += 1
+    total = sum(by_cat.values())
+    lines.append("\nGPU time by category (sum of kernel durations):")
+    for label, dur in sorted(by_cat.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {label:16s} {dur / 1e3:9.1f} ms  {100 * dur / total:5.1f}%")
+    lines.append(f"\ntop {top} kernels:")
+    for name, (dur, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {dur / 1e3:8.1f} ms {n:5d}x  [{category(name)}] {name[:110]}")
+    syncs = defaultdict(int)
+    for e in events:
+        name = str(e.get("name", ""))
+        if e.get("cat") == "cuda_runtime" and ("Synchronize" in name or "Memcpy" in name):
+            syncs[name] += 1
+    lines.append("\nhost runtime calls that can block: " + (", ".join(f"{k} x{v}" for k, v in sorted(syncs.items())) or "none"))
+    return "\n".join(lines)
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, cur_start, cur_end = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_end is None or s > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", help="a .json or .json.gz chrome trace written by torch.profiler")
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args(argv)
+    print(summarize(_load(args.trace), args.top))
+
+
+if __name__ == "__main__":
+    main()
