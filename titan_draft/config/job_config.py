@@ -61,7 +61,8 @@ class Data:
     .json / .jsonl file or a folder of them (its top level only). Rows in ShareGPT form
     ({"conversations": [{"from", "value"}...]}) or OpenAI form ({"messages": [{"role",
     "content"}...]}, assistant messages may carry "reasoning_content"), mixed freely. Unusable
-    rows are skipped and counted per reason."""
+    rows are skipped and counted per reason. 'synthetic:fixed|varmask|varlen' makes token rows
+    in memory (benchmarks; see docs/performance.md)."""
     chat_template: str = "auto"
     """Chat format rendered in code, as the target's official template renders it: 'chatml'
     (Qwen2/Qwen2.5), 'qwen3' (ChatML with think blocks, see enable_thinking) or 'llama3'; 'auto'
