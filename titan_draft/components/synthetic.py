@@ -26,7 +26,6 @@ Both are selected through the job config, so a benchmark runs exactly the code p
 from __future__ import annotations
 
 import hashlib
-import importlib
 from typing import Any, Optional
 
 import torch
@@ -237,15 +236,9 @@ class SyntheticTarget(nn.Module):
 
 def build_synthetic_target(cfg: Any, device: torch.device, dtype: torch.dtype):
     """``TargetBundle`` of ``target.flavor = "synthetic:<flavor>"``, ``<flavor>`` a Qwen3 flavor."""
-    from titan_draft.components.target import TargetBundle
+    from titan_draft.components.target import TargetBundle, random_target_args
 
     base = cfg.target.flavor[len(SYNTHETIC_PREFIX):]
-    family = "qwen3"
-    flavors = importlib.import_module(f"models.{family}").TARGET_FLAVORS
-    if base not in flavors:
-        raise ValueError(
-            f"target.flavor: {cfg.target.flavor!r}: {base!r} is not a {family} flavor ({sorted(flavors)})"
-        )
-    args = flavors[base]
+    args = random_target_args(base, key=f"target.flavor {cfg.target.flavor!r}")
     model = SyntheticTarget(args, seed=cfg.target.seed, dtype=dtype, device=device)
-    return TargetBundle(model=model, args=args, family=family, source=cfg.target.flavor)
+    return TargetBundle(model=model, args=args, family="qwen3", source=cfg.target.flavor)

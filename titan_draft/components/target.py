@@ -55,7 +55,6 @@ def check_target_config(cfg) -> None:
                 f"random-weight test target: python scripts/write_random_target.py --out {t.path})"
             )
         hf_config = read_hf_config(t.path)
-        _check_supported(hf_config, os.path.join(t.path, "config.json"))
         build_target_tokenizer(cfg, hf_config.get("vocab_size", 0))  # cached for the trainer
     elif not t.flavor:
         raise ValueError(
@@ -87,7 +86,8 @@ def build_target_tokenizer(cfg, vocab_size: int):
 
 
 def read_hf_config(folder: str) -> dict:
-    """config.json of an HF checkpoint folder whose model_type a target family supports."""
+    """config.json of an HF checkpoint folder whose model_type a target family supports and
+    whose features (no quantization, sliding window or biases) the target modules implement."""
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
         raise ValueError(f"target.path: {folder!r} has no config.json (expected an HF checkpoint folder)")
@@ -98,6 +98,7 @@ def read_hf_config(folder: str) -> dict:
         raise ValueError(
             f"target.path: {cfg_path} has model_type {model_type!r}; supported: {sorted(_HF_MODEL_TYPES)}"
         )
+    _check_supported(hf_config, cfg_path)
     return hf_config
 
 
@@ -172,7 +173,6 @@ def load_target(path: str, *, dtype: torch.dtype = torch.bfloat16, device="cpu",
     if not os.path.isdir(folder):
         raise ValueError(f"target.path: {path!r} does not exist or is not a folder")
     hf_config = read_hf_config(folder)
-    _check_supported(hf_config, os.path.join(folder, "config.json"))
     family = _HF_MODEL_TYPES[hf_config["model_type"]]
     mod = _family_module(family)
     args = mod.args_from_hf_config(hf_config)
@@ -197,20 +197,25 @@ def build_target(cfg, device: torch.device, dtype: torch.dtype, mesh=None) -> Ta
     if is_synthetic_target(tcfg.flavor):
         return build_synthetic_target(cfg, device, dtype)
     # --- end synthetic target
-    family = "qwen3"
-    mod = _family_module(family)
-    if tcfg.flavor not in mod.TARGET_FLAVORS:
-        raise ValueError(
-            f"target.flavor: {tcfg.flavor!r} is not a {family} flavor "
-            f"({sorted(mod.TARGET_FLAVORS)}); set target.path to a checkpoint folder for real training"
-        )
-    args = mod.TARGET_FLAVORS[tcfg.flavor]
+    args = random_target_args(tcfg.flavor)
     with torch.device("meta"):
-        model = mod.TARGET_MODEL_CLS(args)
+        model = _family_module("qwen3").TARGET_MODEL_CLS(args)
     _freeze_and_place(model, _resolve_device(device), dtype, mesh)
     # drawn in fp32 and cast, so a random target has the same values in every dtype
     model.init_weights(seed=tcfg.seed)
-    return TargetBundle(model=model, args=args, family=family, source=f"random:{tcfg.flavor}")
+    return TargetBundle(model=model, args=args, family="qwen3", source=f"random:{tcfg.flavor}")
+
+
+def random_target_args(flavor: str, key: str = "target.flavor"):
+    """Architecture of the random-weight (Qwen3) target flavor ``flavor``; a ValueError naming
+    ``key`` for an unknown one."""
+    flavors = _family_module("qwen3").TARGET_FLAVORS
+    if flavor not in flavors:
+        raise ValueError(
+            f"{key}: {flavor!r} is not a qwen3 target flavor ({sorted(flavors)}); set target.path "
+            "to a checkpoint folder for real training"
+        )
+    return flavors[flavor]
 
 
 @torch.no_grad()
@@ -241,17 +246,17 @@ def write_random_target(folder: str, *, flavor: str = "debugmodel", seed: int = 
     from models.qwen3 import save_hf_checkpoint
     from titan_draft.data.tokenizer import build_tokenizer, save_hf_tokenizer
 
-    mod = _family_module("qwen3")
-    if flavor not in mod.TARGET_FLAVORS:
-        raise ValueError(f"flavor {flavor!r} is not a qwen3 target flavor ({sorted(mod.TARGET_FLAVORS)})")
-    args = mod.TARGET_FLAVORS[flavor]
-    model = mod.TARGET_MODEL_CLS(args)
+    args = random_target_args(flavor, key="flavor")
+    model = _family_module("qwen3").TARGET_MODEL_CLS(args)
     model.init_weights(seed=seed)
     os.makedirs(folder, exist_ok=True)
     save_hf_checkpoint(model, folder, dtype=dtype, max_shard_bytes=max_shard_bytes)
-    save_hf_tokenizer(build_tokenizer("qwen3"), folder)
+    tokenizer = build_tokenizer("qwen3")
+    save_hf_tokenizer(tokenizer, folder)
     hf_config = args.to_hf_config(torch_dtype=str(dtype).removeprefix("torch."))
-    hf_config.update(bos_token_id=151643, eos_token_id=151645)
+    # as Qwen3's own config.json: bos <|endoftext|>, eos the tokenizer's (<|im_end|>)
+    hf_config.update(bos_token_id=tokenizer.token_id("<|endoftext|>"),
+                     eos_token_id=tokenizer.token_id(tokenizer.eos_token))
     # config.json last: its presence is what marks the folder complete
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
