@@ -74,5 +74,8 @@ def test_existing_folder_is_kept(folder, capsys):
     script.main(["--out", folder])
     assert "already holds a checkpoint" in capsys.readouterr().out
     assert os.path.getmtime(os.path.join(folder, "config.json")) == before
+    script.main(["--out", folder, "--force", "--seed", "7", "--max-shard-gb", "0.005"])  # rewritten
+    assert "wrote random debugmodel" in capsys.readouterr().out
+    assert os.path.getmtime(os.path.join(folder, "config.json")) > before
     with pytest.raises(ValueError, match="not a qwen3 target flavor"):
         write_random_target(folder + "_x", flavor="nope")

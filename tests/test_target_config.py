@@ -76,3 +76,16 @@ def test_unusable_targets_are_refused(tmp_path, argv, config, tokenizer, message
     argv = [folder if a == "FOLDER" else a for a in argv]
     with pytest.raises(ValueError, match=message):
         check_target_config(_cfg(*argv))
+
+
+def test_mask_token_comes_from_the_tokenizer_unless_set():
+    from models.qwen3 import qwen3_flavors
+    from titan_draft.protocols.model_spec import get_model_spec
+    from titan_draft.train import resolve_model_args
+
+    spec, target = get_model_spec("dflash2"), qwen3_flavors["debugmodel"]
+    tok = build_tokenizer("qwen3")
+    auto = resolve_model_args(spec, _cfg(), target, False, tok)
+    assert auto.mask_token_id == tok.unused_token_id(target.vocab_size) == 151669
+    cfg = _cfg("--model.args.mask_token_id", "151700")
+    assert resolve_model_args(spec, cfg, target, False, tok).mask_token_id == 151700
