@@ -9,7 +9,7 @@ torchdata pipeline; the features from a synthetic target (``target.flavor =
 "synthetic:qwen3_8b"``: random captured features, no forward) or, for the online rows, from a
 random-weight Qwen3-8B-shaped target. See docs/performance.md.
 
-    python scripts/benchmark.py --out outputs/bench                      # everything
+    python scripts/benchmark.py --out outputs/bench                      # the default matrix (24 cases)
     python scripts/benchmark.py --drafts dflash --modes varmask --variants float8 --profile float8
     torchrun --nproc_per_node 4 scripts/benchmark.py --variants float8  # every rank, fresh ranks per case
     python scripts/benchmark.py --tiny --variants eager,static           # debug shapes, CPU is fine
@@ -102,13 +102,20 @@ def _csv(value: str) -> list[str]:
 
 
 def build_cases(args) -> list[Case]:
+    """The run's cases, per draft: the variant ladder (every ``--variants``) in every mode at the
+    first ``--accum`` value on the first target; then the side rows (the other accum values, then
+    the other targets) in the first mode only, with the ``--side-variants`` among ``--variants``
+    (the ladder's ends by default, so the whole matrix fits one GPU session)."""
+    side = [v for v in args.variants if "all" in args.side_variants or v in args.side_variants]
+    accum0, target0, mode0 = args.accum[0], args.targets[0], args.modes[0]
     cases = []
     for draft in args.drafts:
         for mode in args.modes:
-            for accum in args.accum:
-                for target in args.targets:
-                    for variant in args.variants:
-                        cases.append(Case(draft, mode, accum, target, variant, args.tiny))
+            cases += [Case(draft, mode, accum0, target0, v, args.tiny) for v in args.variants]
+        for accum in args.accum[1:]:
+            cases += [Case(draft, mode0, accum, target0, v, args.tiny) for v in side]
+        for target in args.targets[1:]:
+            cases += [Case(draft, mode0, accum0, target, v, args.tiny) for v in side]
     return cases
 
 
@@ -239,9 +246,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"comma list of {list(VARIANTS)}, each adding to the one before")
     p.add_argument("--accum", type=lambda s: [int(v) for v in _csv(s)], default=[1, 4],
                    help="comma list of training.grad_accum_steps values")
-    p.add_argument("--targets", type=_csv, default=["synthetic"],
+    p.add_argument("--targets", type=_csv, default=["synthetic", "online"],
                    help="comma list of synthetic (random features, no target forward) and online "
-                        "(random-weight Qwen3-8B-shaped target)")
+                        "(random-weight Qwen3-8B-shaped target); the first one gets the full ladder")
+    p.add_argument("--side-variants", type=_csv, default=["eager", "float8"],
+                   help="variants run for the side rows (accum values after the first, targets after "
+                        "the first; first mode only), or 'all'")
     p.add_argument("--tiny", action="store_true", help="debug flavors (CPU is fine) instead of Qwen3-8B shapes")
     p.add_argument("--batch", type=int, default=2, help="training.local_batch_size")
     p.add_argument("--seq", type=int, default=None, help="data.max_length (default 2048; 64 with --tiny)")
@@ -268,6 +278,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.seq = 64 if args.tiny else 2048
     for name, values, known in (("--drafts", args.drafts, DRAFTS), ("--modes", args.modes, MODES),
                                 ("--variants", args.variants, VARIANTS), ("--targets", args.targets, TARGETS),
+                                ("--side-variants", [v for v in args.side_variants if v != "all"], VARIANTS),
                                 ("--profile", [v for v in args.profile if v != "all"], VARIANTS)):
         bad = [v for v in values if v not in known]
         if bad:
