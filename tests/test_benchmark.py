@@ -164,6 +164,10 @@ def test_benchmark_tiny_writes_sane_results(tiny_run):
         assert math.isfinite(r["final_loss"])
         assert r["run_info"]["draft"] == "dflash2/debugmodel"
         assert r["run_info"]["target"] == "synthetic:debugmodel"
+    # the default targets add the online side row (a random debug target computing the features)
+    online = json.loads((out / "tiny-dflash2-varmask-acc2-online-eager.json").read_text())
+    assert online["status"] == "ok" and online["run_info"]["target"] == "random:debugmodel"
+    assert math.isfinite(online["final_loss"]) and online["step_ms_median"] > 0
     runs = {n: json.loads((out / f"{n}.json").read_text())["run_info"] for n in names}
     assert not runs[names[0]]["static_shapes"] and runs[names[1]]["static_shapes"]
     assert runs[names[2]]["compile"] and not runs[names[1]]["compile"]
@@ -183,6 +187,51 @@ def test_benchmark_tiny_table(tiny_run):
                    "warm-up s", "recompiles"):
         assert column in header
     assert "torch " + torch.__version__ in table
+
+
+def test_default_matrix_ladder_and_side_rows():
+    """The default run: every variant in both modes at accum 1 on synthetic features, then accum 4
+    and the online target as eager/float8 side rows in the first mode (varmask)."""
+    bench = _load_benchmark_module()
+    cases = bench.build_cases(bench.parse_args([]))
+    names = [c.name for c in cases]
+    assert len(names) == len(set(names)) == 24
+    for draft in ("dflash", "dflash2"):
+        for mode in ("varmask", "fixed"):
+            for variant in ("eager", "static", "compile", "float8"):
+                assert f"{draft}-{mode}-acc1-synthetic-{variant}" in names
+        side = [n for n in names if n.startswith(f"{draft}-") and ("acc4" in n or "online" in n)]
+        assert sorted(side) == sorted(f"{draft}-varmask-{row}-{v}" for row in ("acc4-synthetic", "acc1-online")
+                                      for v in ("eager", "float8"))
+    # every eager row comes before the variants compared with it (the table divides by it)
+    assert names.index("dflash-varmask-acc1-online-eager") < names.index("dflash-varmask-acc1-online-float8")
+    everything = bench.build_cases(bench.parse_args(["--side-variants", "all"]))
+    assert len(everything) == 2 * (2 * 4 + 4 + 4)
+    only = bench.build_cases(bench.parse_args(["--accum", "4", "--targets", "online", "--modes", "fixed"]))
+    assert {c.name for c in only} == {f"{d}-fixed-acc4-online-{v}" for d in ("dflash", "dflash2")
+                                      for v in ("eager", "static", "compile", "float8")}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--side-variants", "fast"])
+
+
+@pytest.mark.slow
+def test_benchmark_tiny_under_torchrun(tmp_path):
+    """The multi-GPU path on CPU: two torchrun ranks (gloo), fresh ranks per case; throughput is
+    the total over ranks, the per-GPU figure half of it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT,
+           "--tiny", "--drafts", "dflash", "--modes", "varmask", "--accum", "1", "--targets", "synthetic",
+           "--variants", "eager", "--warmup", "1", "--steps", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    name = "tiny-dflash-varmask-acc1-synthetic-eager"
+    r = json.loads((tmp_path / f"{name}.json").read_text())
+    assert r["status"] == "ok" and r["world_size"] == 2
+    # 2 ranks x batch 2 per optimizer step
+    assert r["samples_per_s"] == pytest.approx(4 / (r["step_ms_median"] / 1e3), rel=1e-6)
+    assert r["samples_per_s_per_gpu"] == pytest.approx(r["samples_per_s"] / 2, rel=1e-6)
+    assert (tmp_path / "logs" / f"{name}.rank1.log").is_file()
+    assert "--nproc_per_node 2" in r["command"]
+    assert "| dflash (tiny) | varmask | 1 | synthetic | eager |" in (tmp_path / "results.md").read_text()
 
 
 def test_report_merges_folders_and_shows_failures(tmp_path):
