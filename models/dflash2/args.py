@@ -4,30 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from models.common.args import DecoderArgs
+
 
 @dataclass
-class DFlash2Args:
-    # --- backbone (Qwen3-style layers) ---
-    hidden_size: int = 4096
-    """Draft width H (must equal the target's: block tokens use the target's embedding)."""
-    intermediate_size: int = 12288
-    """SwiGLU intermediate size."""
+class DFlash2Args(DecoderArgs):
+    """A DFlash / DFlash2 draft. The shape fields come from :class:`DecoderArgs`: ``hidden_size``
+    must equal the target's (block tokens use the target's embedding), ``vocab_size`` is the
+    target's (rows of its frozen embedding / lm_head)."""
+
     num_layers: int = 5
     """Number of draft layers (also the default number of capture layers)."""
-    num_attention_heads: int = 32
-    """Query heads."""
-    num_key_value_heads: int = 8
-    """Key/value heads (GQA)."""
-    head_dim: int = 128
-    """Per-head size."""
-    rms_norm_eps: float = 1e-6
-    """RMSNorm epsilon."""
-    rope_theta: float = 1e6
-    """RoPE base."""
-    max_position_embeddings: int = 40960
-    """Written to config.json for serving."""
-    vocab_size: int = 151936
-    """Target vocabulary size (rows of the frozen embedding / lm_head)."""
     # --- block diffusion ---
     block_size: int = 16
     """Tokens per draft block b: the anchor plus b - 1 mask slots."""

@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import dataclass, fields
 
+from models.common.args import DecoderArgs
 from models.common.rope import rope_inv_freq
 
 
@@ -25,27 +26,12 @@ def hf_decoder_kwargs(config: dict, names: set[str]) -> dict:
 
 
 @dataclass
-class Qwen3Args:
-    vocab_size: int = 151936
-    """Vocabulary size (rows of embed_tokens and lm_head)."""
-    hidden_size: int = 4096
-    """Model width H."""
-    intermediate_size: int = 12288
-    """SwiGLU intermediate size."""
+class Qwen3Args(DecoderArgs):
+    """A Qwen3 (or, with ``qk_norm=False``, Llama-3) target; the shape fields come from
+    :class:`DecoderArgs`."""
+
     num_hidden_layers: int = 36
     """Number of decoder layers L."""
-    num_attention_heads: int = 32
-    """Query heads."""
-    num_key_value_heads: int = 8
-    """Key/value heads (GQA)."""
-    head_dim: int = 128
-    """Per-head size (Qwen3 sets it explicitly; not hidden_size / heads)."""
-    rms_norm_eps: float = 1e-6
-    """RMSNorm epsilon."""
-    rope_theta: float = 1e6
-    """RoPE base."""
-    max_position_embeddings: int = 40960
-    """Longest position the checkpoint was trained for (informational; RoPE is not tabled)."""
     tie_word_embeddings: bool = False
     """lm_head shares the embedding matrix."""
     qk_norm: bool = True
