@@ -30,8 +30,9 @@ def _reference_ce(hidden, weight, labels, top_k, scale, cap):
     return ce, z.argmax(-1), topv, topi
 
 
+@pytest.mark.parametrize("topk_group", [0, 5])
 @pytest.mark.parametrize("scale,cap", [(1.0, 0.0), (1.7, 3.0)])
-def test_chunked_ce_matches_unchunked_values_and_grads(scale, cap):
+def test_chunked_ce_matches_unchunked_values_and_grads(scale, cap, topk_group):
     g = torch.Generator().manual_seed(0)
     n, h, v, k = 37, 12, 50, 5
     hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
@@ -43,7 +44,7 @@ def test_chunked_ce_matches_unchunked_values_and_grads(scale, cap):
 
     h1 = hidden.clone().requires_grad_(True)
     out = chunked_cross_entropy(
-        h1, weight, labels, chunk_rows=8, top_k=k, logit_scale=scale, softcap=cap
+        h1, weight, labels, chunk_rows=8, top_k=k, topk_group=topk_group, logit_scale=scale, softcap=cap
     )
     ((out.ce * g_ce).sum() + (out.topk_values * g_top).sum()).backward()
 
@@ -175,3 +176,37 @@ def test_chunked_ce_backward_does_not_recompute_logits():
     with torch.no_grad(), CountMatmuls() as counter:  # no gradient wanted: logits once per chunk
         chunked_cross_entropy(hidden, torch.randn(v, h), torch.randint(0, v, (n,)), chunk_rows=5)
     assert counter.vocab_wide == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_topk_by_group_max_equals_torch_topk(dtype):
+    """The two-pass top-k returns torch.topk's values, descending, at distinct indices holding
+    them: on random rows, on rows with many ties (small integers), and when the top-k sit in
+    few groups or one per group."""
+    from models.common.cross_entropy import topk_by_group_max
+
+    g = torch.Generator().manual_seed(0)
+    width, k = 1200, 16
+    spread = torch.full((3, width), -1.0)
+    spread[:, torch.arange(k) * 75 + 3] = torch.arange(k, dtype=torch.float32) + 1  # one per group
+    packed = torch.full((3, width), -1.0)
+    packed[:, 600:600 + k] = torch.arange(k, dtype=torch.float32) + 1  # all in one or two groups
+    cases = [torch.randn(9, width, generator=g), torch.randint(-3, 4, (9, width), generator=g).float(),
+             spread, packed]
+    for z in cases:
+        z = z.to(dtype)
+        for group in (50, 64, 75):
+            top, idx = topk_by_group_max(z, k, group)
+            ref = z.topk(k, dim=-1).values
+            assert torch.equal(top, ref), group
+            assert torch.equal(z.gather(1, idx), ref)
+            assert all(len(set(row.tolist())) == k for row in idx)
+    z = torch.randn(4, width, generator=g, dtype=torch.float64)
+    assert torch.equal(topk_by_group_max(z, k, 75)[1], z.topk(k).indices)  # no ties: same indices
+    # not a multiple of the group, or fewer groups than k: one plain topk
+    for group in (7, 100):
+        assert torch.equal(topk_by_group_max(z, k, group)[1], z.topk(k).indices)
+    with pytest.raises(ValueError, match="topk_group"):
+        chunked_cross_entropy(z[:, :8], torch.randn(10, 8, dtype=torch.float64), torch.zeros(4, dtype=torch.long),
+                              top_k=2, topk_group=-1)
+

@@ -229,8 +229,10 @@ def _fit_lm_head(model, f, anchors, keep, scale=3.0):
     model.load_frozen_tables(model.target_embed, head)
 
 
-def test_loss_metrics_and_grads_match_reference():
-    model = _model()
+@pytest.mark.parametrize("topk_group", [0, 4])
+def test_loss_metrics_and_grads_match_reference(topk_group):
+    # topk_group 4: the selector's candidates from the 2 best of 6 column groups (same values)
+    model = _model(replace(ARGS, selector_topk_group=topk_group))
     model.selector_alpha = 0.7
     f = _features()
     anchors, keep = sample_anchors(

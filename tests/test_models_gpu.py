@@ -100,12 +100,13 @@ def test_chunked_ce_peak_memory_below_full_logits():
     assert peak < 0.5 * full_logits_fp32, (peak, full_logits_fp32)
 
 
+@pytest.mark.parametrize("topk_group", [0, 128])
 @pytest.mark.parametrize("scale,cap", [(1.0, 0.0), (1.5, 20.0)])
-def test_compiled_chunked_ce_matches_float64_reference(scale, cap):
+def test_compiled_chunked_ce_matches_float64_reference(scale, cap, topk_group):
     """The CUDA path (compiled chunk statistics, top-k on bf16 logits, gradient formed in
     forward) against a float64 CPU reference on the same bf16 values."""
     g = torch.Generator().manual_seed(0)
-    n, h, v, k = 300, 64, 5000, 8
+    n, h, v, k = 300, 64, 5120, 8
     hidden = (torch.randn(n, h, generator=g) * 2).bfloat16()
     weight = (torch.randn(v, h, generator=g) * 0.5).bfloat16()
     labels = torch.randint(0, v, (n,), generator=g)
@@ -114,7 +115,7 @@ def test_compiled_chunked_ce_matches_float64_reference(scale, cap):
 
     h1 = hidden.cuda().requires_grad_(True)
     out = chunked_cross_entropy(h1, weight.cuda(), labels.cuda(), chunk_rows=128, top_k=k,
-                                logit_scale=scale, softcap=cap)
+                                topk_group=topk_group, logit_scale=scale, softcap=cap)
     ((out.ce * g_ce.cuda()).sum() + (out.topk_values * g_top.cuda()).sum()).backward()
 
     h2 = hidden.double().requires_grad_(True)

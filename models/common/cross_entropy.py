@@ -81,7 +81,7 @@ class _ChunkedCE(torch.autograd.Function):
     fewer per step than recompute-in-backward, and one fewer pass over the logits)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_rows, top_k, logit_scale, softcap):
+    def forward(ctx, hidden, weight, labels, chunk_rows, top_k, topk_group, logit_scale, softcap):
         n = hidden.shape[0]
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
         need_grad = ctx.needs_input_grad[0]
@@ -101,7 +101,7 @@ class _ChunkedCE(torch.autograd.Function):
             argmax[s:e] = argmax_c
             if top_k > 0:
                 # softcap(scale * z) is increasing in z: the top-k of z are those of the logits
-                v, i = z.topk(top_k, dim=-1)
+                v, i = topk_by_group_max(z, top_k, topk_group) if topk_group else z.topk(top_k, dim=-1)
                 topv[s:e] = _transform(v.to(acc_dtype), logit_scale, softcap)
                 topi[s:e] = i
             if need_grad:
@@ -131,7 +131,28 @@ class _ChunkedCE(torch.autograd.Function):
                     g = g * logit_scale
                 rows = weight[topi[s:e]]  # [c, K, H]
                 grad_hidden[s:e] += torch.einsum("ck,ckh->ch", g.to(weight.dtype), rows).to(acc_dtype)
-        return grad_hidden.to(hidden_dtype), None, None, None, None, None, None
+        return grad_hidden.to(hidden_dtype), None, None, None, None, None, None, None
+
+
+def topk_by_group_max(z: torch.Tensor, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z.topk(k, dim=-1)`` of a ``[rows, V]`` matrix in two cheap passes instead of one
+    vocabulary-wide selection: the max of every ``group`` consecutive columns, the ``k`` groups
+    with the largest maxima, then the top-k of those ``k * group`` columns.
+
+    Exact values: with ``t`` the k-th largest value, fewer than ``k`` elements exceed ``t``, so
+    every group holding one is among the k best groups, and each other chosen group has max
+    ``t``. Among equal values the chosen index may differ from torch.topk's (whose tie order is
+    unspecified too). Falls back to one ``topk`` when ``V`` is not a multiple of ``group`` or has
+    fewer than ``k`` groups.
+    """
+    rows, width = z.shape
+    if group <= 0 or width % group or width // group < k:
+        return z.topk(k, dim=-1)
+    group_max = z.view(rows, width // group, group).amax(dim=-1)  # [rows, G]
+    groups = group_max.topk(k, dim=-1).indices  # [rows, k]
+    cols = (groups[:, :, None] * group + torch.arange(group, device=z.device)).flatten(1)  # [rows, k*group]
+    top, pos = z.gather(1, cols).topk(k, dim=-1)
+    return top, cols.gather(1, pos)
 
 
 def _chain(grad_u: torch.Tensor, z: torch.Tensor, logit_scale: float, softcap: float) -> torch.Tensor:
@@ -152,6 +173,7 @@ def chunked_cross_entropy(
     *,
     chunk_rows: int = 2048,
     top_k: int = 0,
+    topk_group: int = 0,
     logit_scale: float = 1.0,
     softcap: float = 0.0,
 ) -> ChunkedCEOutput:
@@ -163,6 +185,8 @@ def chunked_cross_entropy(
         labels: ``[N]`` int64 targets; rows with a negative label get CE 0 and no CE gradient.
         chunk_rows: rows per chunk; peak extra memory is about ``3 * chunk_rows * V`` fp32 values.
         top_k: also return the ``top_k`` largest logits per row (values carry gradient).
+        topk_group: 0 takes them with ``torch.topk``; > 0 with :func:`topk_by_group_max` over
+            groups of that many columns (same values).
         logit_scale: multiplier applied to the raw logits (``output_multiplier``).
         softcap: if > 0, ``softcap * tanh(logits / softcap)`` after the multiplier.
     """
@@ -175,10 +199,12 @@ def chunked_cross_entropy(
         raise ValueError("chunked_cross_entropy: the projection weight must be frozen")
     if chunk_rows <= 0:
         raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
+    if topk_group < 0:
+        raise ValueError(f"topk_group must be >= 0, got {topk_group}")
     if logit_scale <= 0:
         # the top-k are taken on the raw logits, which needs an increasing transform
         raise ValueError(f"logit_scale must be positive, got {logit_scale}")
     ce, argmax, topv, topi = _ChunkedCE.apply(
-        hidden, weight, labels, int(chunk_rows), int(top_k), float(logit_scale), float(softcap)
+        hidden, weight, labels, int(chunk_rows), int(top_k), int(topk_group), float(logit_scale), float(softcap)
     )
     return ChunkedCEOutput(ce=ce, argmax=argmax, topk_values=topv, topk_indices=topi)

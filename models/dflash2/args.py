@@ -64,6 +64,10 @@ class DFlash2Args(DecoderArgs):
     the trainer from training.static_shapes."""
     ce_chunk_rows: int = 2048
     """Rows per chunk of the lm_head + cross-entropy pass."""
+    selector_topk_group: int = 0
+    """How the selector's top-K candidates are taken from each chunk's logits: 0 with torch.topk,
+    > 0 from the K best groups of that many columns by their max (same values, two cheap passes
+    instead of one vocabulary-wide selection; not yet measured on GPU, hence off)."""
 
     @property
     def fc_in_features(self) -> int:

@@ -105,6 +105,8 @@ class DFlash2Draft(nn.Module):
             )
         if args.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {args.block_size}")
+        if args.selector_topk_group < 0:
+            raise ValueError(f"selector_topk_group must be >= 0 (0: torch.topk), got {args.selector_topk_group}")
         self.args = args
         h = args.hidden_size
         self.fc = nn.Linear(args.fc_in_features, h, bias=False)
@@ -194,6 +196,7 @@ class DFlash2Draft(nn.Module):
             softcap=a.final_logit_softcapping,
             selector=self.candidate_selector if a.selector_enabled else None,
             selector_top_k=a.selector_top_k,
+            selector_topk_group=a.selector_topk_group,
             selector_alpha=self.selector_alpha,
             detach_unary=a.selector_detach_unary,
         )

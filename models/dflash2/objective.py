@@ -143,6 +143,7 @@ def dflash_objective(
     softcap: float = 0.0,
     selector=None,
     selector_top_k: int = 0,
+    selector_topk_group: int = 0,
     selector_alpha: float = 0.0,
     detach_unary: bool = False,
 ) -> DraftOutput:
@@ -164,6 +165,7 @@ def dflash_objective(
         labels,
         chunk_rows=chunk_rows,
         top_k=selector_top_k if selector is not None else 0,
+        topk_group=selector_topk_group,
         logit_scale=logit_scale,
         softcap=softcap,
     )
