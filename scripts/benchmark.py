@@ -160,7 +160,7 @@ def run_case(case: Case, index: int, args, command: str, timeout: float) -> dict
     spec = {
         "name": case.name, "case": asdict(case), "overrides": overrides, "warmup": args.warmup,
         "steps": args.steps, "batch": args.batch, "seq": args.seq, "profile": profile, "out": args.out,
-        "fresh_compile_cache": args.fresh_compile_cache, "command": command,
+        "fresh_compile_cache": args.fresh_compile_cache, "command": command, "extra": list(args.extra),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     rank = _torchrun_rank()
@@ -192,7 +192,8 @@ def run_case(case: Case, index: int, args, command: str, timeout: float) -> dict
         tail = f.read()[-3000:]
     return {"schema": SCHEMA, "name": case.name, "status": status, "case": asdict(case),
             "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "steps": args.steps,
-            "date": spec["date"], "command": command, "wall_s": wall, "error_tail": tail}
+            "date": spec["date"], "command": command, "extra_overrides": list(args.extra), "wall_s": wall,
+            "error_tail": tail}
 
 
 def run_cases(args, argv: list[str]) -> None:

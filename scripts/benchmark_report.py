@@ -1,7 +1,8 @@
 """results.md of the benchmark: one table from every case JSON under an output folder.
 
 Split runs merge: each case JSON stands alone, the newest run of a case wins, and the table is
-rebuilt from whatever is there. See docs/performance.md for the columns.
+rebuilt from whatever is there. A case run with extra job overrides (``benchmark.py ... -- --key
+value``, e.g. an ablation in its own output folder) is another case: its row shows them. See docs/performance.md for the columns.
 """
 
 from __future__ import annotations
@@ -26,9 +27,14 @@ def _rank(order: tuple[str, ...], value: str) -> int:
     return order.index(value) if value in order else len(order)
 
 
+def _extra(r: dict) -> tuple[str, ...]:
+    return tuple(r.get("extra_overrides") or ())
+
+
 def load_results(out: str) -> list[dict]:
-    """Case results under ``out`` (subfolders too); the newest run of a case wins."""
-    latest: dict[str, dict] = {}
+    """Case results under ``out`` (subfolders too); of the runs of one case (name and extra
+    overrides) the newest wins."""
+    latest: dict[tuple, dict] = {}
     for folder, _, files in os.walk(out):
         for name in files:
             if not name.endswith(".json"):
@@ -40,12 +46,13 @@ def load_results(out: str) -> list[dict]:
                 continue
             if not isinstance(r, dict) or r.get("schema") != SCHEMA:
                 continue
-            if r["name"] not in latest or r.get("date", "") >= latest[r["name"]].get("date", ""):
-                latest[r["name"]] = r
+            ident = (r["name"], _extra(r))
+            if ident not in latest or r.get("date", "") >= latest[ident].get("date", ""):
+                latest[ident] = r
 
     def key(r):
         c = r["case"]
-        return (c["tiny"], c["draft"], _rank(MODE_ORDER, c["mode"]), c["accum"], c["target"],
+        return (c["tiny"], c["draft"], _rank(MODE_ORDER, c["mode"]), c["accum"], c["target"], _extra(r),
                 _rank(VARIANT_ORDER, c["variant"]))
 
     return sorted(latest.values(), key=key)
@@ -67,7 +74,8 @@ _COLUMNS = ("draft", "data", "accum", "target", "variant", "step ms", "samples/s
 def _row(r: dict, eager: dict | None) -> list[str]:
     c = r["case"]
     draft = f"{c['draft']} (tiny)" if c["tiny"] else c["draft"]
-    head = [draft, c["mode"], str(c["accum"]), c["target"], c["variant"]]
+    variant = " ".join([c["variant"], *_extra(r)])
+    head = [draft, c["mode"], str(c["accum"]), c["target"], variant]
     if r["status"] != "ok":
         return head + ["–"] * (len(_COLUMNS) - len(head) - 1) + [r["status"]]
     speedup = r["samples_per_s"] / eager["samples_per_s"] if eager and eager is not r else None
@@ -99,7 +107,8 @@ def render_report(results: list[dict]) -> str:
     lines = ["# titan_draft benchmark", "",
              "Median step over the steady window (after warm-up, device synchronized around each step); "
              "× anchor = samples/s per GPU over SpecForge's 5.06; × eager = over the eager row of the "
-             "same draft, data, accumulation and target. Columns: docs/performance.md.", "",
+             "same draft, data, accumulation, target and extra overrides (shown after the variant). "
+             "Columns: docs/performance.md.", "",
              "| " + " | ".join(_COLUMNS) + " |", "|" + " --- |" * len(_COLUMNS)]
     a = ANCHOR
     anchor_row = ["SpecForge dflash (anchor)", "varmask", "1", "synthetic", "FSDP1 eager", f"{a['step_ms']:.0f}",
@@ -112,10 +121,10 @@ def render_report(results: list[dict]) -> str:
     for r in results:
         c = r["case"]
         if c["variant"] == "eager" and r["status"] == "ok":
-            eager[(c["tiny"], c["draft"], c["mode"], c["accum"], c["target"])] = r
+            eager[(c["tiny"], c["draft"], c["mode"], c["accum"], c["target"], _extra(r))] = r
     for r in results:
         c = r["case"]
-        ref = eager.get((c["tiny"], c["draft"], c["mode"], c["accum"], c["target"]))
+        ref = eager.get((c["tiny"], c["draft"], c["mode"], c["accum"], c["target"], _extra(r)))
         lines.append("| " + " | ".join(_row(r, ref)) + " |")
     lines += ["", "Runs:", ""]
     runs = sorted({(r.get("date", "?")[:10], r.get("device_name", "?"), r.get("torch", "?"),

@@ -181,7 +181,8 @@ def test_benchmark_tiny_table(tiny_run):
     table = (out / "results.md").read_text()
     assert "SpecForge dflash (anchor)" in table and "| 395 | 5.06 |" in table
     for variant in ("eager", "static", "compile"):
-        assert f"| dflash2 (tiny) | varmask | 2 | synthetic | {variant} |" in table
+        # the run's `--` overrides are part of what each row measured
+        assert f"| dflash2 (tiny) | varmask | 2 | synthetic | {variant} --compile.backend aot_eager |" in table
     header = next(line for line in table.splitlines() if line.startswith("| draft"))
     for column in ("step ms", "samples/s", "× anchor", "MFU %", "peak alloc GiB", "data wait ms (%)",
                    "warm-up s", "recompiles"):
@@ -256,10 +257,21 @@ def test_report_merges_folders_and_shows_failures(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps(fast))
     (tmp_path / "c.json").write_text(json.dumps(failed))
     (tmp_path / "unrelated.json").write_text(json.dumps({"x": 1}))
+    # an ablation in its own folder: the same case with an extra override is another row, and an
+    # older run of the plain case loses to the newer one
+    extra = ["--parallelism.fsdp_reshard_after_forward", "never"]
+    (tmp_path / "ablation").mkdir()
+    (tmp_path / "ablation" / "b.json").write_text(json.dumps(dict(fast, step_ms_median=190.0, extra_overrides=extra)))
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "b.json").write_text(json.dumps(dict(fast, step_ms_median=999.0, date="2026-11-28")))
     table = open(bench.write_report(str(tmp_path))).read()
     assert tuple(bench.VARIANTS) == bench.VARIANT_ORDER  # the table orders every variant the CLI runs
     rows = [line for line in table.splitlines() if line.startswith("| dflash |")]
-    assert [row.split(" | ")[4] for row in rows] == ["eager", "compile", "float8"]
+    assert [row.split(" | ")[4] for row in rows] == [
+        "eager", "compile", "float8", "float8 --parallelism.fsdp_reshard_after_forward never"]
+    assert "| 200.0 |" in rows[2] and "| 190.0 |" in rows[3] and "999" not in table
+    assert rows[3].split(" | ")[8] == "–"  # × eager: there is no eager row with that override
+    rows = rows[:3]
     assert "| 2.00 |" in rows[2]  # float8 vs eager
     assert "| 1.98 |" in rows[2]  # 10.0 samples/s over the anchor's 5.06
     assert "timeout (420 s)" in rows[1] and "RuntimeError: boom" in table
