@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import tiktoken
 
-from titan_draft.data.hf_tokenizer import QWEN_PAT, hf_added_token_ids, to_byte_level
+from titan_draft.data.hf_tokenizer import QWEN_PAT, to_byte_level
+from titan_draft.data.hf_tokenizer_files import hf_added_token_ids
 
 if TYPE_CHECKING:
     from titan_draft.data.tokenizer import Tokenizer

