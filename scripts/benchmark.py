@@ -250,9 +250,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--targets", type=_csv, default=["synthetic", "online"],
                    help="comma list of synthetic (random features, no target forward) and online "
                         "(random-weight Qwen3-8B-shaped target); the first one gets the full ladder")
-    p.add_argument("--side-variants", type=_csv, default=["eager", "float8"],
+    p.add_argument("--side-variants", type=_csv, default=None,
                    help="variants run for the side rows (accum values after the first, targets after "
-                        "the first; first mode only), or 'all'")
+                        "the first; first mode only), or 'all' (default: eager and float8 where run)")
     p.add_argument("--tiny", action="store_true", help="debug flavors (CPU is fine) instead of Qwen3-8B shapes")
     p.add_argument("--batch", type=int, default=2, help="training.local_batch_size")
     p.add_argument("--seq", type=int, default=None, help="data.max_length (default 2048; 64 with --tiny)")
@@ -277,6 +277,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.out = os.path.abspath(args.out)
     if args.seq is None:
         args.seq = 64 if args.tiny else 2048
+    if args.side_variants is None:
+        args.side_variants = [v for v in ("eager", "float8") if v in args.variants]
     for name, values, known in (("--drafts", args.drafts, DRAFTS), ("--modes", args.modes, MODES),
                                 ("--variants", args.variants, VARIANTS), ("--targets", args.targets, TARGETS),
                                 ("--side-variants", [v for v in args.side_variants if v != "all"], VARIANTS),
@@ -284,6 +286,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         bad = [v for v in values if v not in known]
         if bad:
             p.error(f"{name}: unknown {bad}; choose from {list(known)}")
+    outside = [v for v in args.side_variants if v != "all" and v not in args.variants]
+    if outside:
+        p.error(f"--side-variants: {outside} not among --variants {args.variants}")
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     return args

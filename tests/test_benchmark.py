@@ -211,8 +211,9 @@ def test_default_matrix_ladder_and_side_rows():
     only = bench.build_cases(bench.parse_args(["--accum", "4", "--targets", "online", "--modes", "fixed"]))
     assert {c.name for c in only} == {f"{d}-fixed-acc4-online-{v}" for d in ("dflash", "dflash2")
                                       for v in ("eager", "static", "compile", "float8")}
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--side-variants", "fast"])
+    for bad in (["--side-variants", "fast"], ["--variants", "eager,static", "--side-variants", "float8"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
 
 
 @pytest.mark.slow
