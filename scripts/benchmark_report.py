@@ -61,6 +61,7 @@ def load_results(out: str) -> list[dict]:
 def _fmt(value, spec: str = ".1f") -> str:
     if value is None:
         return "–"
+    value = value + 0.0  # -0.0 (a warm-up within noise of the steady steps) prints as 0.0
     if spec == ".1f" and 0 < abs(value) < 1:
         return format(value, ".3g")  # the tiny flavor's figures
     return format(value, spec)
