@@ -160,7 +160,7 @@ def run_case(case: Case, index: int, args, command: str, timeout: float) -> dict
     spec = {
         "name": case.name, "case": asdict(case), "overrides": overrides, "warmup": args.warmup,
         "steps": args.steps, "batch": args.batch, "seq": args.seq, "profile": profile, "out": args.out,
-        "fresh_compile_cache": args.fresh_compile_cache, "command": command, "extra": list(args.extra),
+        "fresh_compile_cache": args.fresh_compile_cache, "command": command, "extra_overrides": list(args.extra),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     rank = _torchrun_rank()

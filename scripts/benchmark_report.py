@@ -31,6 +31,12 @@ def _extra(r: dict) -> tuple[str, ...]:
     return tuple(r.get("extra_overrides") or ())
 
 
+def _eager_key(r: dict) -> tuple:
+    """What a row shares with the eager row it is compared with: all but the variant."""
+    c = r["case"]
+    return (c["tiny"], c["draft"], c["mode"], c["accum"], c["target"], _extra(r))
+
+
 def load_results(out: str) -> list[dict]:
     """Case results under ``out`` (subfolders too); of the runs of one case (name and extra
     overrides) the newest wins."""
@@ -61,7 +67,6 @@ def load_results(out: str) -> list[dict]:
 def _fmt(value, spec: str = ".1f") -> str:
     if value is None:
         return "–"
-    value = value + 0.0  # -0.0 (a warm-up within noise of the steady steps) prints as 0.0
     if spec == ".1f" and 0 < abs(value) < 1:
         return format(value, ".3g")  # the tiny flavor's figures
     return format(value, spec)
@@ -120,13 +125,10 @@ def render_report(results: list[dict]) -> str:
     lines.append("| " + " | ".join(anchor_row) + " |")
     eager = {}
     for r in results:
-        c = r["case"]
-        if c["variant"] == "eager" and r["status"] == "ok":
-            eager[(c["tiny"], c["draft"], c["mode"], c["accum"], c["target"], _extra(r))] = r
+        if r["case"]["variant"] == "eager" and r["status"] == "ok":
+            eager[_eager_key(r)] = r
     for r in results:
-        c = r["case"]
-        ref = eager.get((c["tiny"], c["draft"], c["mode"], c["accum"], c["target"], _extra(r)))
-        lines.append("| " + " | ".join(_row(r, ref)) + " |")
+        lines.append("| " + " | ".join(_row(r, eager.get(_eager_key(r)))) + " |")
     lines += ["", "Runs:", ""]
     runs = sorted({(r.get("date", "?")[:10], r.get("device_name", "?"), r.get("torch", "?"),
                     r.get("world_size", 1), r.get("command", "?")) for r in results if r["status"] == "ok"})

@@ -210,7 +210,7 @@ def run_worker(spec: dict) -> None:
         "command": spec["command"],
         "overrides": argv,
         # the `--` overrides every case of the run got: part of what the row measures
-        "extra_overrides": spec.get("extra", []),
+        "extra_overrides": spec["extra_overrides"],
         "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name() if probe.cuda else "cpu",
         "peak_flops": peak_flops,

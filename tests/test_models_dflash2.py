@@ -229,6 +229,11 @@ def _fit_lm_head(model, f, anchors, keep, scale=3.0):
     model.load_frozen_tables(model.target_embed, head)
 
 
+def test_negative_selector_topk_group_is_refused_at_build():
+    with pytest.raises(ValueError, match="selector_topk_group must be >= 0"):
+        DFlash2Draft(replace(ARGS, selector_topk_group=-1))
+
+
 @pytest.mark.parametrize("topk_group", [0, 4])
 def test_loss_metrics_and_grads_match_reference(topk_group):
     # topk_group 4: the selector's candidates from the 2 best of 6 column groups (same values)

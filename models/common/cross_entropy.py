@@ -101,7 +101,7 @@ class _ChunkedCE(torch.autograd.Function):
             argmax[s:e] = argmax_c
             if top_k > 0:
                 # softcap(scale * z) is increasing in z: the top-k of z are those of the logits
-                v, i = topk_by_group_max(z, top_k, topk_group) if topk_group else z.topk(top_k, dim=-1)
+                v, i = topk_by_group_max(z, top_k, topk_group)
                 topv[s:e] = _transform(v.to(acc_dtype), logit_scale, softcap)
                 topi[s:e] = i
             if need_grad:
@@ -142,8 +142,8 @@ def topk_by_group_max(z: torch.Tensor, k: int, group: int) -> tuple[torch.Tensor
     Exact values: with ``t`` the k-th largest value, fewer than ``k`` elements exceed ``t``, so
     every group holding one is among the k best groups, and each other chosen group has max
     ``t``. Among equal values the chosen index may differ from torch.topk's (whose tie order is
-    unspecified too). Falls back to one ``topk`` when ``V`` is not a multiple of ``group`` or has
-    fewer than ``k`` groups.
+    unspecified too). One plain ``topk`` when ``group`` is 0, ``V`` is not a multiple of ``group``
+    or there are fewer than ``k`` groups.
     """
     rows, width = z.shape
     if group <= 0 or width % group or width // group < k:
