@@ -85,6 +85,18 @@ def test_synthetic_dataloader_shapes_and_resume():
     assert next(static)["input_ids"].shape == (2, 64)
 
 
+def test_synthetic_source_refuses_a_state_of_another_row_count():
+    kwargs = dict(dp_rank=0, dp_world=1, local_batch_size=2, seed=7, static_shapes=True, pad_multiple=1)
+    cfg = ConfigManager().parse_args(["--data.source", "synthetic:fixed", "--data.max_length", "16",
+                                      "--data.max_rows", "10"])
+    loader = build_synthetic_dataloader(cfg.data, 0, **kwargs)
+    next(loader)
+    cfg.data.max_rows = 12
+    other = build_synthetic_dataloader(cfg.data, 0, **kwargs)
+    with pytest.raises(ValueError, match=r"saved with 10 rows .* synthetic source now gives 12 \(data\.max_rows"):
+        other.load_state_dict(loader.state_dict())
+
+
 def test_synthetic_source_rejects_unknown_mode():
     cfg = ConfigManager().parse_args(["--data.source", "synthetic:nope"])
     with pytest.raises(ValueError, match="data.source"):

@@ -32,7 +32,7 @@ import torch
 import torchdata.nodes as tn
 from torch import nn
 
-from titan_draft.data.source_node import STATE_KEY, Sample
+from titan_draft.data.source_node import STATE_KEY, Sample, check_saved_row_count
 
 __all__ = [
     "SYNTHETIC_MODES",
@@ -127,11 +127,7 @@ class SyntheticSourceNode(tn.BaseNode[Sample]):
             self._epoch, self._position = 0, 0
             return
         state = initial_state[STATE_KEY]
-        if state["num_rows"] != len(self.rows):
-            raise ValueError(
-                f"data: the dataloader state was saved with {state['num_rows']} rows on this DP "
-                f"rank but the synthetic source now gives {len(self.rows)} (data.max_rows changed?)"
-            )
+        check_saved_row_count(state, len(self.rows), "synthetic source", "data.max_rows")
         self._epoch, self._position = state["epoch"], state["position"]
 
     def next(self) -> Sample:

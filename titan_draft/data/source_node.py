@@ -30,6 +30,16 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+
+def check_saved_row_count(state: dict[str, Any], num_rows: int, source: str, hint: str) -> None:
+    """Refuse a source state saved over another number of rows on this DP rank: positions index
+    this many rows, so any other count would resume somewhere else."""
+    if state["num_rows"] != num_rows:
+        raise ValueError(
+            f"data: the dataloader state was saved with {state['num_rows']} rows on this DP "
+            f"rank but the {source} now gives {num_rows} ({hint} changed?)"
+        )
+
 class ChatSourceNode(tn.BaseNode[Sample]):
     """Yields ``(input_ids, loss_mask)`` of this rank's rows, epoch after epoch, forever.
 
@@ -92,13 +102,7 @@ class ChatSourceNode(tn.BaseNode[Sample]):
             self._skip_counts = {}
             return
         state = initial_state[STATE_KEY]
-        if state["num_rows"] != len(self.rows):
-            # Positions index a permutation of this many rows; any other count resumes elsewhere.
-            raise ValueError(
-                f"data: the dataloader state was saved with {state['num_rows']} rows on this DP "
-                f"rank but the source now gives {len(self.rows)} (data.source / data.max_rows "
-                f"changed?)"
-            )
+        check_saved_row_count(state, len(self.rows), "source", "data.source / data.max_rows")
         self._set_epoch(state["epoch"])
         self._position = state["position"]
         self._skip_counts = dict(state["skip_counts"])
