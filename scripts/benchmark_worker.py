@@ -7,6 +7,7 @@ it. Started by scripts/benchmark.py as ``python -m scripts.benchmark_worker '<sp
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
@@ -222,6 +223,8 @@ def run_worker(spec: dict) -> None:
         "graph_breaks": dynamo_counter("graph_break"),
         "graphs_compiled": dynamo_counter("stats", "unique_graphs"),
         "run_info": trainer.run_info,
+        # the draft's resolved args (flavor + overrides + what the trainer set): what was measured
+        "model_args": dataclasses.asdict(trainer.model_args),
         **summarize(probe.records, warmup, steps, world=world, flops_per_step=flops, peak_flops=peak_flops),
     }
     if trainer.dist.rank == 0:

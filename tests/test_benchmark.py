@@ -176,6 +176,9 @@ def test_benchmark_tiny_writes_sane_results(tiny_run):
         assert math.isfinite(r["final_loss"])
         assert r["run_info"]["draft"] == "dflash2/debugmodel"
         assert r["run_info"]["target"] == "synthetic:debugmodel"
+        # the resolved draft args: static shapes set the anchor slots, the flavor's top-K default
+        assert r["model_args"]["static_anchors"] == (not name.endswith("eager"))
+        assert r["model_args"]["selector_enabled"] and r["model_args"]["selector_topk_group"] == 128
     # the default targets add the online side row (a random debug target computing the features)
     online = json.loads((out / "tiny-dflash2-varmask-acc2-online-eager.json").read_text())
     assert online["status"] == "ok" and online["run_info"]["target"] == "random:debugmodel"
