@@ -241,6 +241,11 @@ def test_bad_paths_and_configs(tmp_path):
     write_json(folder, clash, "tokenizer_config.json")
     with pytest.raises(ValueError, match="has id 300 here but 259 elsewhere"):
         build_tokenizer(str(folder))
+    clash = {"added_tokens_decoder": {"259": {"content": "<|y|>", "special": True}}}
+    write_json(folder, clash, "tokenizer_config.json")
+    message = "the added-token table gives id 259 to both '<|endoftext|>' and '<|y|>'"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_tokenizer(str(folder))
     clash = {"added_tokens_decoder": {"256": {"content": "<|x|>", "special": True}}}
     write_json(folder, clash, "tokenizer_config.json")
     message = "added token '<|x|>' has id 256, which is the BPE token b'ab'"
@@ -272,6 +277,14 @@ def test_bad_tiktoken_files(tmp_path):
         build_tokenizer(str(tmp_path))
     with pytest.raises(ValueError, match="256 ranks match no known family"):
         build_tokenizer(str(tmp_path / "a.tiktoken"))
+    # ids: tiktoken itself would panic on a shared id
+    byte_ranks = {bytes([b]): b for b in range(256)}
+    _write_ranks(tmp_path / "b.tiktoken", {**byte_ranks, b"ab": 255})
+    with pytest.raises(ValueError, match=r"b.tiktoken: the ranks table gives id 255 to both b'\\xff' and b'ab'"):
+        build_tokenizer(str(tmp_path / "b.tiktoken"))
+    _write_ranks(tmp_path / "c.tiktoken", {**byte_ranks, b"ab": -1})
+    with pytest.raises(ValueError, match=r"c.tiktoken: the ranks table gives b'ab' the id -1; ids must be integers >= 0"):
+        build_tokenizer(str(tmp_path / "c.tiktoken"))
 
 
 # ---------------------------------------------------------------------------------------------

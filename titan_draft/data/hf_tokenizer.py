@@ -173,16 +173,22 @@ def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
     return ranks
 
 
+def check_unique_ids(where: str, ids: dict) -> None:
+    """Every value of ``ids`` (token -> id) is an int >= 0 and no two tokens share one; the
+    errors start with ``where``, the table's name (e.g. ``"<file>: model.vocab"``)."""
+    seen: dict[int, object] = {}
+    for token, i in ids.items():
+        if not isinstance(i, int) or i < 0:
+            raise ValueError(f"{where} gives {token!r} the id {i!r}; ids must be integers >= 0")
+        if i in seen:
+            raise ValueError(f"{where} gives id {i} to both {seen[i]!r} and {token!r}")
+        seen[i] = token
+
+
 def _check_ranks(source: str, ranks: dict[bytes, int]) -> None:
     # tiktoken panics (not a Python error) on duplicate ids, and on text with a byte it has no
     # token for; HF would drop such a byte silently. Both are refused here instead.
-    seen: dict[int, bytes] = {}
-    for token, rank in ranks.items():
-        if not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"{source}: token {token!r} has id {rank!r}; ids must be ints >= 0")
-        if rank in seen:
-            raise ValueError(f"{source}: id {rank} is both {seen[rank]!r} and {token!r}")
-        seen[rank] = token
+    check_unique_ids(f"{source}: the ranks table", ranks)
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
         raise ValueError(
@@ -194,12 +200,9 @@ def _check_ranks(source: str, ranks: dict[bytes, int]) -> None:
 def _check_specials_vs_ranks(
     source: str, ranks: dict[bytes, int], specials: dict[str, int]
 ) -> None:
+    check_unique_ids(f"{source}: the added-token table", specials)
     by_id = {rank: token for token, rank in ranks.items()}
-    owners: dict[int, str] = {}
     for content, tid in specials.items():
-        if tid in owners:
-            raise ValueError(f"{source}: added tokens {owners[tid]!r} and {content!r} share {tid}")
-        owners[tid] = content
         token = by_id.get(tid)
         if token is not None and token != content.encode("utf-8"):
             raise ValueError(

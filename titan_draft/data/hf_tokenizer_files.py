@@ -21,6 +21,7 @@ from titan_draft.data.hf_tokenizer import (
     _from_byte_level_table,
     _read_json,
     bytes_to_unicode,
+    check_unique_ids,
     load_tiktoken_ranks,
 )
 
@@ -165,13 +166,7 @@ def _read_tokenizer_json(path: str) -> TokenizerFiles:
     vocab = model.get("vocab")
     if not isinstance(vocab, dict) or not vocab:
         raise ValueError(f"{path}: model.vocab is missing or empty")
-    id_to_str: dict[int, str] = {}
-    for s, i in vocab.items():
-        if not isinstance(i, int) or i < 0:
-            raise ValueError(f"{path}: model.vocab[{s!r}] is {i!r}; ids must be integers >= 0")
-        if i in id_to_str:
-            raise ValueError(f"{path}: model.vocab gives id {i} to both {id_to_str[i]!r} and {s!r}")
-        id_to_str[i] = s
+    check_unique_ids(f"{path}: model.vocab", vocab)
 
     added = data.get("added_tokens") or []
     entries = [_added_token(path, f"added_tokens[{i}]", entry) for i, entry in enumerate(added)]
