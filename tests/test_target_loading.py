@@ -117,6 +117,8 @@ def _bad_folders(root):
                   ValueError, r"quantized checkpoint \(fp8\)"))
     cases.append(("sliding window", write_folder(root / "swa", config_patch={"use_sliding_window": True}),
                   ValueError, "sliding-window"))
+    for key in ("attention_bias", "mlp_bias"):
+        cases.append((key, write_folder(root / key, config_patch={key: True}), ValueError, f"sets {key}=true"))
     d = write_folder(root / "no_weights")
     os.remove(os.path.join(d, "model.safetensors"))
     cases.append(("no weights", d, FileNotFoundError, "no model.safetensors or model.safetensors.index.json"))
@@ -146,7 +148,7 @@ def _bad_folders(root):
 
 def test_each_bad_folder_names_its_problem(tmp_path):
     cases = _bad_folders(tmp_path)
-    assert len({name for name, *_ in cases}) == len(cases) == 13
+    assert len({name for name, *_ in cases}) == len(cases) == 15
     for name, folder, exc, message in cases:
         with pytest.raises(exc, match=message):
             load_target(folder, dtype=torch.float32)

@@ -16,9 +16,6 @@ def args_from_hf_config(config: dict) -> Qwen3Args:
     """Target args from a Llama ``config.json`` dict."""
     if config.get("model_type") != "llama":
         raise ValueError(f"expected a llama config, got model_type={config.get('model_type')!r}")
-    for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
-            raise ValueError(f"llama config with {key}=true is not supported")
     kwargs = hf_decoder_kwargs(config, {f.name for f in fields(Qwen3Args)})
     kwargs.setdefault("rope_theta", 500000.0)
     kwargs.setdefault("rms_norm_eps", 1e-5)
