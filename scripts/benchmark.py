@@ -39,8 +39,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # runnable from a checkout without an install
     sys.path.insert(0, REPO)
 
-from scripts.benchmark_report import MODE_ORDER, SCHEMA, VARIANT_ORDER, write_report  # noqa: E402,F401
-from scripts.benchmark_worker import write_json  # noqa: E402
+from scripts.benchmark_report import SCHEMA, write_report  # noqa: E402
+from scripts.benchmark_worker import CASE_FIELDS, write_json  # noqa: E402
 
 DRAFTS = {  # name -> (production flavor, debug flavor) of the dflash2 ModelSpec
     "dflash": ("dflash_qwen3_8b", "dflash_debugmodel"),
@@ -190,9 +190,7 @@ def run_case(case: Case, index: int, args, command: str, timeout: float) -> dict
         return None
     with open(log_path, errors="replace") as f:
         tail = f.read()[-3000:]
-    return {"schema": SCHEMA, "name": case.name, "status": status, "case": asdict(case),
-            "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "steps": args.steps,
-            "date": spec["date"], "command": command, "extra_overrides": list(args.extra), "wall_s": wall,
+    return {"schema": SCHEMA, "status": status, **{key: spec[key] for key in CASE_FIELDS}, "wall_s": wall,
             "error_tail": tail}
 
 

@@ -18,6 +18,10 @@ import time
 
 from scripts.benchmark_report import SCHEMA
 
+CASE_FIELDS = ("name", "case", "batch", "seq", "warmup", "steps", "date", "command", "extra_overrides")
+"""What every case JSON, ok or failed, copies from its spec: the case and the run it belongs to
+(the ``--`` overrides every case of the run got are part of what a row measures)."""
+
 
 class _TimedLoader:
     """The trainer's dataloader, timing how long the loop is blocked in ``next``."""
@@ -199,19 +203,10 @@ def run_worker(spec: dict) -> None:
     flops = model_flops_per_step(trainer, steady)
     result = {
         "schema": SCHEMA,
-        "name": spec["name"],
         "status": "ok",
-        "case": spec["case"],
-        "batch": spec["batch"],
-        "seq": spec["seq"],
-        "warmup": warmup,
-        "steps": steps,
+        **{key: spec[key] for key in CASE_FIELDS},
         "world_size": world,
-        "date": spec["date"],
-        "command": spec["command"],
         "overrides": argv,
-        # the `--` overrides every case of the run got: part of what the row measures
-        "extra_overrides": spec["extra_overrides"],
         "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name() if probe.cuda else "cpu",
         "peak_flops": peak_flops,

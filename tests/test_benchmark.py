@@ -18,12 +18,13 @@ import torch
 
 from titan_draft.components.synthetic import (
     SyntheticSourceNode,
-    build_synthetic_dataloader,
     build_synthetic_target,
     synthetic_sample,
 )
 from titan_draft.components.target import build_target
 from titan_draft.config import ConfigManager
+from titan_draft.data.pipeline import build_dataloader
+from titan_draft.data.tokenizer import build_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "benchmark.py")
@@ -66,7 +67,7 @@ def test_synthetic_dataloader_shapes_and_resume():
     cfg = ConfigManager().parse_args(["--data.source", "synthetic:varlen", "--data.max_length", "64",
                                       "--data.max_rows", "10"])
     kwargs = dict(dp_rank=1, dp_world=2, local_batch_size=2, seed=7, pad_multiple=16)
-    loader = build_synthetic_dataloader(cfg.data, 0, static_shapes=False, **kwargs)
+    loader = build_dataloader(cfg.data, build_tokenizer("qwen3"), static_shapes=False, **kwargs)
     assert loader.rows_per_rank == 5
     first = [next(loader) for _ in range(3)]
     for b in first:
@@ -76,12 +77,12 @@ def test_synthetic_dataloader_shapes_and_resume():
     assert loader.epoch == 1 and sum(loader.skip_counts.values()) == 0
     state = loader.state_dict()
     expected = [next(loader) for _ in range(2)]
-    resumed = build_synthetic_dataloader(cfg.data, 0, static_shapes=False, **kwargs)
+    resumed = build_dataloader(cfg.data, build_tokenizer("qwen3"), static_shapes=False, **kwargs)
     resumed.load_state_dict(state)
     for want, got in zip(expected, [next(resumed) for _ in range(2)]):
         for key in want:
             assert torch.equal(want[key], got[key])
-    static = build_synthetic_dataloader(cfg.data, 0, static_shapes=True, **kwargs)
+    static = build_dataloader(cfg.data, build_tokenizer("qwen3"), static_shapes=True, **kwargs)
     assert next(static)["input_ids"].shape == (2, 64)
 
 
@@ -89,10 +90,10 @@ def test_synthetic_source_refuses_a_state_of_another_row_count():
     kwargs = dict(dp_rank=0, dp_world=1, local_batch_size=2, seed=7, static_shapes=True, pad_multiple=1)
     cfg = ConfigManager().parse_args(["--data.source", "synthetic:fixed", "--data.max_length", "16",
                                       "--data.max_rows", "10"])
-    loader = build_synthetic_dataloader(cfg.data, 0, **kwargs)
+    loader = build_dataloader(cfg.data, build_tokenizer("qwen3"), **kwargs)
     next(loader)
     cfg.data.max_rows = 12
-    other = build_synthetic_dataloader(cfg.data, 0, **kwargs)
+    other = build_dataloader(cfg.data, build_tokenizer("qwen3"), **kwargs)
     with pytest.raises(ValueError, match=r"saved with 10 rows .* synthetic source now gives 12 \(data\.max_rows"):
         other.load_state_dict(loader.state_dict())
 
@@ -100,10 +101,14 @@ def test_synthetic_source_refuses_a_state_of_another_row_count():
 def test_synthetic_source_rejects_unknown_mode():
     cfg = ConfigManager().parse_args(["--data.source", "synthetic:nope"])
     with pytest.raises(ValueError, match="data.source"):
-        build_synthetic_dataloader(cfg.data, 0, dp_rank=0, dp_world=1, local_batch_size=2, seed=0,
-                                   static_shapes=True, pad_multiple=1)
+        build_dataloader(cfg.data, build_tokenizer("qwen3"), dp_rank=0, dp_world=1, local_batch_size=2, seed=0,
+                         static_shapes=True, pad_multiple=1)
     with pytest.raises(ValueError):
         SyntheticSourceNode("nope", num_rows=4, max_length=8, seed=0, dp_rank=0, dp_world=1)
+    cfg = ConfigManager().parse_args(["--data.source", "synthetic:fixed", "--data.max_rows", "1"])
+    with pytest.raises(ValueError, match="data.max_rows: 1 synthetic rows leave some of the 2 DP ranks"):
+        build_dataloader(cfg.data, build_tokenizer("qwen3"), dp_rank=1, dp_world=2, local_batch_size=2, seed=0,
+                         static_shapes=True, pad_multiple=1)
 
 
 # ---- synthetic target ----
@@ -231,6 +236,25 @@ def test_default_matrix_ladder_and_side_rows():
             bench.parse_args(bad)
 
 
+def test_a_failing_case_is_recorded_and_reported(tmp_path):
+    """A case whose worker fails gets a JSON of its own (the case, the run, the log tail) and a
+    line under the table; the benchmark itself goes on and exits 0."""
+    cmd = [sys.executable, SCRIPT, "--tiny", "--drafts", "dflash", "--modes", "varmask", "--accum", "1",
+           "--targets", "synthetic", "--variants", "eager", "--warmup", "0", "--steps", "1",
+           "--out", str(tmp_path), "--", "--model.args.block_size", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    name = "tiny-dflash-varmask-acc1-synthetic-eager"
+    r = json.loads((tmp_path / f"{name}.json").read_text())
+    assert r["status"].startswith("failed (exit ") and r["name"] == name
+    assert r["case"]["variant"] == "eager" and r["case"]["tiny"] is True
+    assert (r["batch"], r["seq"], r["warmup"], r["steps"]) == (2, 64, 0, 1)
+    assert r["extra_overrides"] == ["--model.args.block_size", "1"] and "scripts/benchmark.py" in r["command"]
+    assert "block_size must be >= 2" in r["error_tail"]
+    table = (tmp_path / "results.md").read_text()
+    assert f"- {name}: failed (exit " in table and "block_size must be >= 2" in table
+
+
 @pytest.mark.slow
 def test_benchmark_tiny_under_torchrun(tmp_path):
     """The multi-GPU path on CPU: two torchrun ranks (gloo), fresh ranks per case; throughput is
@@ -281,7 +305,9 @@ def test_report_merges_folders_and_shows_failures(tmp_path):
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "b.json").write_text(json.dumps(dict(fast, step_ms_median=999.0, date="2026-11-28")))
     table = open(bench.write_report(str(tmp_path))).read()
-    assert tuple(bench.VARIANTS) == bench.VARIANT_ORDER  # the table orders every variant the CLI runs
+    from scripts.benchmark_report import VARIANT_ORDER  # importable once bench put the repo on sys.path
+
+    assert tuple(bench.VARIANTS) == VARIANT_ORDER  # the table orders every variant the CLI runs
     rows = [line for line in table.splitlines() if line.startswith("| dflash |")]
     assert [row.split(" | ")[4] for row in rows] == [
         "eager", "compile", "float8", "float8 --parallelism.fsdp_reshard_after_forward never"]

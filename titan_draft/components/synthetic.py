@@ -38,7 +38,7 @@ __all__ = [
     "SYNTHETIC_MODES",
     "SyntheticSourceNode",
     "SyntheticTarget",
-    "build_synthetic_dataloader",
+    "build_synthetic_source",
     "build_synthetic_target",
     "is_synthetic_source",
     "is_synthetic_target",
@@ -149,35 +149,16 @@ class SyntheticSourceNode(tn.BaseNode[Sample]):
         }
 
 
-def build_synthetic_dataloader(
-    data_cfg: Any,
-    pad_id: int,
-    *,
-    dp_rank: int,
-    dp_world: int,
-    local_batch_size: int,
-    seed: int,
-    static_shapes: bool,
-    pad_multiple: int,
-):
-    """The pipeline of ``build_dataloader`` with a ``SyntheticSourceNode`` as its source."""
-    from titan_draft.data.pipeline import ChatDataLoader, _Collate
-
+def build_synthetic_source(data_cfg: Any, *, dp_rank: int, dp_world: int, seed: int) -> SyntheticSourceNode:
+    """This DP rank's source for ``data.source = "synthetic:<mode>"``; ``build_dataloader`` puts
+    the job's pipeline (batcher, collate, prefetcher, loader) after it, as after a chat source."""
     mode = _synthetic_mode(data_cfg.source)
     num_rows = data_cfg.max_rows or DEFAULT_SYNTHETIC_ROWS
     if num_rows < dp_world:
         raise ValueError(f"data.max_rows: {num_rows} synthetic rows leave some of the {dp_world} DP ranks with none")
-    source = SyntheticSourceNode(
+    return SyntheticSourceNode(
         mode, num_rows=num_rows, max_length=data_cfg.max_length, seed=seed, dp_rank=dp_rank, dp_world=dp_world
     )
-    node: tn.BaseNode = tn.Batcher(source, batch_size=local_batch_size, drop_last=True)
-    collate = _Collate(
-        pad_id=pad_id, max_length=data_cfg.max_length, static_shapes=static_shapes, pad_multiple=pad_multiple
-    )
-    node = tn.Mapper(node, collate)
-    if data_cfg.prefetch_factor > 0:
-        node = tn.Prefetcher(node, prefetch_factor=data_cfg.prefetch_factor, snapshot_frequency=1)
-    return ChatDataLoader(tn.Loader(node), source, dp_rank=dp_rank, dp_world=dp_world)
 
 
 class SyntheticTarget(nn.Module):

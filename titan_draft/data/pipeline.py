@@ -186,16 +186,32 @@ def build_dataloader(
     if pad_multiple <= 0:
         raise ValueError(f"pad_multiple must be > 0, got {pad_multiple}")
 
-    # --- synthetic source (benchmarks): token rows made in memory, same pipeline after the source
-    from titan_draft.components.synthetic import build_synthetic_dataloader, is_synthetic_source
+    # imported here: components.synthetic imports this package
+    from titan_draft.components.synthetic import build_synthetic_source, is_synthetic_source
 
-    if is_synthetic_source(data_cfg.source):
-        return build_synthetic_dataloader(
-            data_cfg, tokenizer.pad_id, dp_rank=dp_rank, dp_world=dp_world, local_batch_size=local_batch_size,
-            seed=seed, static_shapes=static_shapes, pad_multiple=pad_multiple,
-        )
-    # --- end synthetic source
+    source: tn.BaseNode
+    if is_synthetic_source(data_cfg.source):  # benchmarks: token rows made in memory
+        source = build_synthetic_source(data_cfg, dp_rank=dp_rank, dp_world=dp_world, seed=seed)
+    else:
+        source = _chat_source(data_cfg, tokenizer, template, dp_rank=dp_rank, dp_world=dp_world, seed=seed,
+                              static_shapes=static_shapes)
+    node: tn.BaseNode = tn.Batcher(source, batch_size=local_batch_size, drop_last=True)
+    collate = _Collate(
+        pad_id=tokenizer.pad_id,
+        max_length=data_cfg.max_length,
+        static_shapes=static_shapes,
+        pad_multiple=pad_multiple,
+    )
+    node = tn.Mapper(node, collate)
+    if data_cfg.prefetch_factor > 0:
+        # snapshot_frequency=1: a snapshot per batch, so a resume never replays or loses one.
+        node = tn.Prefetcher(node, prefetch_factor=data_cfg.prefetch_factor, snapshot_frequency=1)
+    return ChatDataLoader(tn.Loader(node), source, dp_rank=dp_rank, dp_world=dp_world)
 
+
+def _chat_source(data_cfg: Any, tokenizer: Tokenizer, template: str, *, dp_rank: int, dp_world: int, seed: int,
+                 static_shapes: bool) -> ChatSourceNode:
+    """This DP rank's conversations of ``data.source``, rendered with ``template``."""
     rows, total = load_rows(
         data_cfg.source, max_rows=data_cfg.max_rows, dp_rank=dp_rank, dp_world=dp_world
     )
@@ -214,8 +230,7 @@ def build_dataloader(
         data_cfg.source, total, len(rows), dp_rank, dp_world, chat_format,
         data_cfg.max_length, "static" if static_shapes else "dynamic",
     )  # fmt: skip
-
-    source = ChatSourceNode(
+    return ChatSourceNode(
         rows,
         tokenizer,
         template=template,
@@ -226,15 +241,3 @@ def build_dataloader(
         enable_thinking=data_cfg.enable_thinking,
         last_turn_only=data_cfg.last_turn_only,
     )
-    node: tn.BaseNode = tn.Batcher(source, batch_size=local_batch_size, drop_last=True)
-    collate = _Collate(
-        pad_id=tokenizer.pad_id,
-        max_length=data_cfg.max_length,
-        static_shapes=static_shapes,
-        pad_multiple=pad_multiple,
-    )
-    node = tn.Mapper(node, collate)
-    if data_cfg.prefetch_factor > 0:
-        # snapshot_frequency=1: a snapshot per batch, so a resume never replays or loses one.
-        node = tn.Prefetcher(node, prefetch_factor=data_cfg.prefetch_factor, snapshot_frequency=1)
-    return ChatDataLoader(tn.Loader(node), source, dp_rank=dp_rank, dp_world=dp_world)
