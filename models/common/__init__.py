@@ -2,6 +2,7 @@
 
 from models.common.attention import (
     ATTENTION_BACKENDS,
+    QKNormProjections,
     attention,
     build_attention_mask,
     dense_mask_from_mask_mod,
@@ -16,6 +17,7 @@ from models.common.tensor_utils import copy_full_, full_tensor
 __all__ = [
     "ATTENTION_BACKENDS",
     "ChunkedCEOutput",
+    "QKNormProjections",
     "RMSNorm",
     "SwiGLU",
     "apply_rope",

@@ -62,15 +62,9 @@ def _chunk_stats(z, labels, logit_scale: float, softcap: float, need_grad: bool)
     return ce, argmax, grad_u.to(z.dtype)
 
 
-_COMPILED_CHUNK_STATS = None
-
-
-def _compiled_chunk_stats():
-    global _COMPILED_CHUNK_STATS
-    if _COMPILED_CHUNK_STATS is None:
-        # static shapes: a run has at most two chunk sizes (full and last), each compiled once
-        _COMPILED_CHUNK_STATS = torch.compile(_chunk_stats, fullgraph=True, dynamic=False)
-    return _COMPILED_CHUNK_STATS
+# static shapes: a run has at most two chunk sizes (full and last), each compiled once (on first
+# call, like models.common.attention's compiled flex_attention)
+_compiled_chunk_stats = torch.compile(_chunk_stats, fullgraph=True, dynamic=False)
 
 
 class _ChunkedCE(torch.autograd.Function):
@@ -85,7 +79,7 @@ class _ChunkedCE(torch.autograd.Function):
         n = hidden.shape[0]
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
         need_grad = ctx.needs_input_grad[0]
-        stats = _compiled_chunk_stats() if hidden.device.type == "cuda" else _chunk_stats
+        stats = _compiled_chunk_stats if hidden.device.type == "cuda" else _chunk_stats
         ce = torch.empty(n, dtype=acc_dtype, device=hidden.device)
         argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
         topv = torch.empty(n, top_k, dtype=acc_dtype, device=hidden.device)

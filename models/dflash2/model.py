@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models.common.attention import QKNormProjections
 from models.common import (
+    QKNormProjections,
     RMSNorm,
     SwiGLU,
     apply_rope,

@@ -12,8 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models.common.attention import QKNormProjections
-from models.common import RMSNorm, SwiGLU, apply_rope, copy_full_, full_tensor, rope_cos_sin
+from models.common import (
+    QKNormProjections,
+    RMSNorm,
+    SwiGLU,
+    apply_rope,
+    copy_full_,
+    full_tensor,
+    rope_cos_sin,
+)
 from models.qwen3.args import Qwen3Args
 
 

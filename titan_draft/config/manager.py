@@ -32,8 +32,6 @@ _BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True,
                "false": False, "0": False, "no": False, "off": False}
 
 
-
-
 # --------------------------------------------------------------------------------------------
 # Schema: what sections and keys exist, their kinds and docstrings.
 

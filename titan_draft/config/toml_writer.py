@@ -12,7 +12,6 @@ from titan_draft.config.job_config import JobConfig
 from titan_draft.config.validate import ConfigError
 
 
-
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
 

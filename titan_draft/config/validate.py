@@ -15,7 +15,6 @@ class ConfigError(ValueError):
     """A bad key or value in a job config. The message names the key and where it came from."""
 
 
-
 _DTYPES = ("bfloat16", "float16", "float32")
 _CHOICES = {
     "job.device": ("auto", "cuda", "cpu"),
@@ -97,5 +96,3 @@ def validate_job_config(cfg: JobConfig, log: logging.Logger | None = None) -> li
     for w in warnings:
         log.warning(w)
     return warnings
-
-

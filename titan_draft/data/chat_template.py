@@ -162,7 +162,7 @@ def _split_reasoning(turn: Turn) -> tuple[str, str]:
     content = turn.content
     if "</think>" not in content:
         return "", content
-    head, tail = content.split("</think>")[0], content.split("</think>")[-1]
+    head, tail = content.partition("</think>")[0], content.rpartition("</think>")[2]
     return head.rstrip("\n").split("<think>")[-1].lstrip("\n"), tail.lstrip("\n")
 
 

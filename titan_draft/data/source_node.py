@@ -30,7 +30,6 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-
 def check_saved_row_count(state: dict[str, Any], num_rows: int, source: str, hint: str) -> None:
     """Refuse a source state saved over another number of rows on this DP rank: positions index
     this many rows, so any other count would resume somewhere else."""
@@ -39,6 +38,7 @@ def check_saved_row_count(state: dict[str, Any], num_rows: int, source: str, hin
             f"data: the dataloader state was saved with {state['num_rows']} rows on this DP "
             f"rank but the {source} now gives {num_rows} ({hint} changed?)"
         )
+
 
 class ChatSourceNode(tn.BaseNode[Sample]):
     """Yields ``(input_ids, loss_mask)`` of this rank's rows, epoch after epoch, forever.

