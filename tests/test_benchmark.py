@@ -262,7 +262,8 @@ def test_benchmark_tiny_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT,
            "--tiny", "--drafts", "dflash", "--modes", "varmask", "--accum", "1", "--targets", "synthetic",
            "--variants", "eager", "--warmup", "1", "--steps", "2", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a native abort in a rank prints its stacks
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     name = "tiny-dflash-varmask-acc1-synthetic-eager"
     r = json.loads((tmp_path / f"{name}.json").read_text())

@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+from multiproc import spawn_ranks
 from titan_draft.components.checkpoint import CheckpointManager, TrainState
 from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.optimizer import build_optimizer
@@ -213,8 +213,8 @@ def _full(model, opt):
     return msd, osd
 
 
-def _gloo_worker(rank, world, init_file, folder):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _gloo_worker(rank, port, world, folder):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         ref = _fsdp_parts(seed=0)
         _train(ref, 3, seed=100 + 10 * rank)  # different data per rank
@@ -239,7 +239,7 @@ def _gloo_worker(rank, world, init_file, folder):
 
 @pytest.mark.slow
 def test_fsdp2_two_ranks_gloo(tmp_path):
-    mp.spawn(_gloo_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_gloo_worker, 2, str(tmp_path))
     # The sharded checkpoint reshards into one unsharded process, but only without the per-rank
     # dataloader state: with it, a different DP size is refused.
     with pytest.raises(ValueError, match="2 data-parallel ranks"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import traceback
 
 import pytest
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from multiproc import spawn_ranks
 from titan_draft.config import JobConfig
 from titan_draft.distributed.parallelize import apply_ac, apply_compile, apply_fsdp, apply_fsdp_frozen
 from titan_draft.distributed.utils import (
@@ -223,16 +223,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     destroy_distributed()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("two_ranks")
-    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, str(out_dir), nprocs=WORLD)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
 from models.qwen3 import Qwen3Args, Qwen3Model, local_key_to_hf
+from multiproc import spawn_ranks
 from titan_draft import load_target
 
 # vocab 301 and 3 kv heads x 16: rows that do not split evenly over 2 ranks
@@ -215,16 +214,10 @@ def _worker(rank: int, port: int, folder: str, out_dir: str) -> None:
         json.dump(result, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_rank_sharded_load_matches_one_rank(tmp_path):
     folder = write_folder(tmp_path / "m", tied=True, shards=2)
-    mp.spawn(_worker, args=(_free_port(), folder, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, folder, str(tmp_path))
     one = load_target(folder, dtype=torch.float32)
     with torch.no_grad():
         aux, last = one.capture(IDS, [0, 2])

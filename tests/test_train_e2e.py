@@ -139,7 +139,8 @@ def test_two_rank_gloo_float8_compile_fsdp(tmp_path, chat_jsonl):
         "--training.steps", "3", "--checkpoint.interval", "3",
         "--compile.enable", "true", "--float8.enable", "true",
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # faulthandler: a native abort in a rank prints its Python stacks into the captured stderr
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "-m", "titan_draft.train", *argv]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
