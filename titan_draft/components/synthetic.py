@@ -25,14 +25,13 @@ Both are selected through the job config, so a benchmark runs exactly the code p
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Optional
 
 import torch
 import torchdata.nodes as tn
 from torch import nn
 
-from titan_draft.data.source_node import STATE_KEY, Sample, check_saved_row_count
+from titan_draft.data.source_node import STATE_KEY, Sample, check_saved_row_count, hashed_seed
 
 __all__ = [
     "SYNTHETIC_MODES",
@@ -72,15 +71,9 @@ def _synthetic_mode(source: str) -> str:
     return mode
 
 
-def _row_seed(seed: int, row: int) -> int:
-    # a hash, so that neighbouring seeds do not share rows
-    digest = hashlib.sha256(f"titan_draft.synthetic:{seed}:{row}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 def synthetic_sample(mode: str, max_length: int, seed: int, row: int, vocab_limit: int = _TOKEN_ID_LIMIT) -> Sample:
     """Row ``row`` of a synthetic source: ``(input_ids, loss_mask)`` as plain lists."""
-    g = torch.Generator().manual_seed(_row_seed(seed, row))
+    g = torch.Generator().manual_seed(hashed_seed("titan_draft.synthetic", seed, row))
     length = max_length
     if mode == "varlen":
         low = max(2, max_length // 8)

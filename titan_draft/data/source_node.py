@@ -24,9 +24,12 @@ Sample = tuple[list[int], list[bool]]
 STATE_KEY = "chat_source"
 
 
-def _epoch_seed(seed: int, epoch: int) -> int:
-    # A real hash, not seed + epoch: neighbouring seeds must not replay each other's epochs.
-    digest = hashlib.sha256(f"titan_draft.data:{seed}:{epoch}".encode()).digest()
+def hashed_seed(namespace: str, seed: int, index: int) -> int:
+    """A generator seed for item ``index`` (an epoch, a row) of a run seeded ``seed``.
+
+    A real hash, not seed + index: neighbouring seeds must not replay each other's epochs or rows,
+    and ``namespace`` keeps the streams of different users apart."""
+    digest = hashlib.sha256(f"{namespace}:{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
@@ -89,7 +92,7 @@ class ChatSourceNode(tn.BaseNode[Sample]):
     def _set_epoch(self, epoch: int) -> None:
         self._epoch = epoch
         if self.shuffle:
-            g = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
+            g = torch.Generator().manual_seed(hashed_seed("titan_draft.data", self.seed, epoch))
             self._order = torch.randperm(len(self.rows), generator=g).tolist()
         else:
             self._order = list(range(len(self.rows)))
