@@ -125,8 +125,11 @@ def test_synthetic_target_features_and_tables():
     assert aux.shape == (2, 24, 2 * a.hidden_size) and aux.dtype == torch.float32 and last is None
     aux2, last = bundle.model.capture(ids, [0], True)
     assert aux2.shape == (2, 24, a.hidden_size) and last.shape == (2, 24, a.hidden_size)
-    with pytest.raises(ValueError, match="capture layer ids"):
-        bundle.model.capture(ids, [a.num_hidden_layers], False)
+    # the same checks as a real target's capture
+    with pytest.raises(ValueError, match=rf"capture layer ids \[{a.num_hidden_layers}\] out of range"):
+        bundle.model.capture(ids, [0, a.num_hidden_layers], False)
+    with pytest.raises(ValueError, match="layer_ids is empty"):
+        bundle.model.capture(ids, [], False)
     embed, head = bundle.model.embed_weight(), bundle.model.lm_head_weight()
     assert embed.shape == (a.vocab_size, a.hidden_size)
     assert torch.equal(embed, bundle.model.embed_weight())  # seeded: the same table every call

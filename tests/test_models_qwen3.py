@@ -117,6 +117,10 @@ def test_capture_early_stop_same_aux_and_skips_layers():
     assert torch.equal(full, early)
     with pytest.raises(ValueError, match="out of range"):
         model.capture(ids, [ARGS.num_hidden_layers], need_last_hidden=False)
+    with pytest.raises(ValueError, match=r"\[-1\] out of range"):
+        model.capture(ids, [0, -1], need_last_hidden=False)
+    with pytest.raises(ValueError, match="layer_ids is empty"):
+        model.capture(ids, [], need_last_hidden=False)
 
 
 def test_init_weights_deterministic():

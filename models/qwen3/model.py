@@ -53,6 +53,16 @@ class Qwen3DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def check_capture_layer_ids(layer_ids: list[int], num_layers: int) -> None:
+    """Refuse capture ids that are empty or not decoder layers ``0 .. num_layers - 1`` (every
+    target's ``capture``, random-weight, loaded or synthetic, takes the same ids)."""
+    if not layer_ids:
+        raise ValueError("capture: layer_ids is empty")
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"capture layer ids {bad} out of range for a {num_layers}-layer target")
+
+
 class Qwen3Model(nn.Module):
     """Qwen3 decoder (HF names: ``embed_tokens``, ``layers.{i}``, ``norm``, ``lm_head``).
 
@@ -161,12 +171,7 @@ class Qwen3Model(nn.Module):
         Returns:
             ``aux [B, S, len(layer_ids) * H]`` and ``last_hidden [B, S, H]`` or None.
         """
-        if not layer_ids:
-            raise ValueError("capture: layer_ids is empty")
-        n = len(self.layers)
-        bad = [i for i in layer_ids if not 0 <= i < n]
-        if bad:
-            raise ValueError(f"capture layer ids {bad} out of range for a {n}-layer target")
+        check_capture_layer_ids(layer_ids, len(self.layers))
         return self(input_ids, layer_ids=list(layer_ids), need_last_hidden=need_last_hidden)
 
     def embed_weight(self) -> torch.Tensor:

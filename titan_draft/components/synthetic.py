@@ -31,6 +31,7 @@ import torch
 import torchdata.nodes as tn
 from torch import nn
 
+from models.qwen3.model import check_capture_layer_ids
 from titan_draft.data.source_node import STATE_KEY, Sample, check_saved_row_count, hashed_seed
 
 __all__ = [
@@ -182,10 +183,7 @@ class SyntheticTarget(nn.Module):
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, layer_ids: list[int], need_last_hidden: bool):
         """``aux [B, S, len(layer_ids) * H]`` and ``last_hidden [B, S, H]`` or None."""
-        n = self.args.num_hidden_layers
-        bad = [i for i in layer_ids if not 0 <= i < n]
-        if not layer_ids or bad:
-            raise ValueError(f"capture layer ids {list(layer_ids)} invalid for a {n}-layer target")
+        check_capture_layer_ids(layer_ids, self.args.num_hidden_layers)
         return self(input_ids, list(layer_ids), need_last_hidden)
 
     def _table(self, offset: int) -> torch.Tensor:
