@@ -318,6 +318,7 @@ def test_report_merges_folders_and_shows_failures(tmp_path):
     assert "| 200.0 |" in rows[2] and "| 190.0 |" in rows[3] and "999" not in table
     assert rows[3].split(" | ")[8] == "–"  # × eager: there is no eager row with that override
     rows = rows[:3]
+    assert rows[0].split(" | ")[8] == "1.00"  # the eager row against itself
     assert "| 2.00 |" in rows[2]  # float8 vs eager
     assert "| 1.98 |" in rows[2]  # 10.0 samples/s over the anchor's 5.06
     assert "timeout (420 s)" in rows[1] and "RuntimeError: boom" in table

@@ -99,7 +99,7 @@ class _ChunkedCE(torch.autograd.Function):
                 topv[s:e] = _transform(v.to(acc_dtype), logit_scale, softcap)
                 topi[s:e] = i
             if need_grad:
-                grad_ce[s:e] = (grad_z.to(weight.dtype) @ weight).to(acc_dtype)
+                grad_ce[s:e] = (grad_z @ weight).to(acc_dtype)  # grad_z has z's (the weight's) dtype
             del z, grad_z
         ctx.save_for_backward(grad_ce, weight, topi, topv)
         ctx.cfg = (chunk_rows, logit_scale, softcap, hidden.dtype)
