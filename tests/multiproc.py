@@ -46,14 +46,14 @@ def spawn_ranks(fn: Callable, *args, nprocs: int = 2, attempts: int = 2) -> None
     rank-0 store). Retries only a run in which a rank died from a signal; ``fn`` must therefore
     write its outputs fresh on every run."""
     for attempt in range(1, attempts + 1):
-        stacks_dir = tempfile.mkdtemp(prefix="rank-stacks-")
-        try:
-            mp.spawn(_entry, args=(fn, free_port(), stacks_dir, args), nprocs=nprocs, join=True)
-            return
-        except ProcessExitedException as e:
-            what = (f"rank {e.error_index} of {fn.__name__} died with {e.signal_name or f'exit code {e.exit_code}'}"
-                    f" (attempt {attempt} of {attempts}); its threads at the abort:\n"
-                    f"{_stacks(stacks_dir, e.error_index)}")
-            if e.signal_name is None or attempt == attempts:
-                raise RuntimeError(what) from e
-            warnings.warn(what + "\nretrying with a fresh port", stacklevel=2)
+        with tempfile.TemporaryDirectory(prefix="rank-stacks-") as stacks_dir:
+            try:
+                mp.spawn(_entry, args=(fn, free_port(), stacks_dir, args), nprocs=nprocs, join=True)
+                return
+            except ProcessExitedException as e:
+                died = e.signal_name or f"exit code {e.exit_code}"
+                what = (f"rank {e.error_index} of {fn.__name__} died with {died} (attempt {attempt} of "
+                        f"{attempts}); its threads at the abort:\n{_stacks(stacks_dir, e.error_index)}")
+                if e.signal_name is None or attempt == attempts:
+                    raise RuntimeError(what) from e
+                warnings.warn(what + "\nretrying with a fresh port", stacklevel=2)
