@@ -39,6 +39,7 @@ from titan_draft.distributed.utils import (
     set_pg_timeout,
     set_seed,
 )
+from titan_draft.eval import Evaluator, report_scalars, save_model_args
 from titan_draft.logger import init_logger, logger
 from titan_draft.protocols import get_model_spec
 
@@ -157,6 +158,7 @@ class Trainer:
             dp_world=self.dp_world,
         )
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device.type)
+        self.evaluator = Evaluator(cfg, self.spec, self.model_args, self.target.model, self.tokenizer, self.device)
         self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device)) if on_gpu else None
 
         self.run_info = {
@@ -168,6 +170,11 @@ class Trainer:
             "target": self.target.source,
             "tokenizer": self.tokenizer.name,
             "chat_template": resolve_template(cfg.data.chat_template, self.tokenizer),
+            "system_prompt": cfg.data.system_prompt,
+            "enable_thinking": cfg.data.enable_thinking,
+            "data_source": cfg.data.source,
+            "holdout_rows": cfg.data.holdout_rows,
+            "eval_prompts": [p.name for p in self.evaluator.prompts] if self.evaluator.enabled else [],
             "mask_token_id": getattr(self.model_args, "mask_token_id", None),
             "target_dtype": target_dtype,
             "capture_layers": self.layer_ids,
@@ -185,6 +192,7 @@ class Trainer:
             write_job_config(cfg, os.path.join(cfg.job.dump_folder, "job_config.toml"))
             with open(os.path.join(cfg.job.dump_folder, "run_info.json"), "w") as f:
                 json.dump(self.run_info, f, indent=2)
+            save_model_args(self.model_args, cfg.job.dump_folder)
 
     def _total_steps(self) -> int:
         t = self.cfg.training
@@ -296,6 +304,7 @@ class Trainer:
                         logger.info(f"data rows skipped so far on DP rank {self.dp_rank}: {skipped}")
                     window = _LogWindow()
                 self.checkpointer.save(step, force=step == self.total_steps)
+                self._maybe_eval(step, out)
                 if prof is not None:
                     prof.step()
                 if snap is not None:
@@ -317,6 +326,18 @@ class Trainer:
             )
             logger.info(f"exported draft to {out_dir}")
         return losses
+
+    def _maybe_eval(self, step: int, out: dict) -> None:
+        """The true τ (real speculative decoding) at eval steps, beside the simulated one."""
+        if not self.evaluator.should_run(step, self.total_steps):
+            return
+        report = self.evaluator.run(self.model, step, self.dist.rank == 0)
+        scalars = report_scalars(report)
+        if "accept_len" in out["names"]:
+            i = 2 + 2 * out["names"].index("accept_len")
+            num, den = out["flat"][i].item(), out["flat"][i + 1].item()
+            scalars["eval/simulated_accept_len"] = num / den if den > 0 else 0.0
+        self.metrics.add_scalars(step, scalars)
 
     def close(self):
         self.metrics.close()

@@ -8,7 +8,7 @@ from models.common.attention import (
     dense_mask_from_mask_mod,
     resolve_attention_backend,
 )
-from models.common.cross_entropy import ChunkedCEOutput, chunked_cross_entropy
+from models.common.cross_entropy import ChunkedCEOutput, chunked_cross_entropy, transform_logits
 from models.common.mlp import SwiGLU
 from models.common.norm import RMSNorm
 from models.common.rope import apply_rope, rope_cos_sin, rope_inv_freq, rotate_half
@@ -31,4 +31,5 @@ __all__ = [
     "rope_cos_sin",
     "rope_inv_freq",
     "rotate_half",
+    "transform_logits",
 ]

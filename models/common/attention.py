@@ -80,11 +80,12 @@ def build_attention_mask(
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None
 ) -> torch.Tensor:
     """Masked attention with GQA. ``q [B, Hq, Q, D]``, ``k/v [B, Hkv, KV, D]`` -> ``[B, Hq, Q, D]``.
 
-    Dispatches on the mask type built by :func:`build_attention_mask`; scale is ``1/sqrt(D)``.
+    Dispatches on the mask type built by :func:`build_attention_mask` (None: every query sees
+    every key, through sdpa); scale is ``1/sqrt(D)``.
     Every query row must see at least one key (an empty row gives NaN under sdpa).
     """
     gqa = q.shape[1] != k.shape[1]

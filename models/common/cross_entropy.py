@@ -27,7 +27,9 @@ class ChunkedCEOutput:
     """[N, K] int64 vocabulary ids of ``topk_values``."""
 
 
-def _transform(z: torch.Tensor, logit_scale: float, softcap: float) -> torch.Tensor:
+def transform_logits(z: torch.Tensor, logit_scale: float, softcap: float) -> torch.Tensor:
+    """``softcap(logit_scale * z)`` (softcap 0: none): the logits a draft's loss and its
+    decoding-time proposals both use."""
     if logit_scale != 1.0:
         z = z * logit_scale
     if softcap > 0.0:
@@ -45,7 +47,7 @@ def _chunk_stats(z, labels, logit_scale: float, softcap: float, need_grad: bool)
     lm_head matmuls themselves.
     """
     acc_dtype = torch.promote_types(z.dtype, torch.float32)
-    u = _transform(z.to(acc_dtype), logit_scale, softcap)
+    u = transform_logits(z.to(acc_dtype), logit_scale, softcap)
     valid = labels >= 0
     safe = labels.clamp(min=0)
     lse = torch.logsumexp(u, dim=-1)
@@ -96,7 +98,7 @@ class _ChunkedCE(torch.autograd.Function):
             if top_k > 0:
                 # softcap(scale * z) is increasing in z: the top-k of z are those of the logits
                 v, i = topk_by_group_max(z, top_k, topk_group)
-                topv[s:e] = _transform(v.to(acc_dtype), logit_scale, softcap)
+                topv[s:e] = transform_logits(v.to(acc_dtype), logit_scale, softcap)
                 topi[s:e] = i
             if need_grad:
                 grad_ce[s:e] = (grad_z @ weight).to(acc_dtype)  # grad_z has z's (the weight's) dtype

@@ -1,10 +1,11 @@
 """DFlash2 draft (and plain DFlash via the dflash_* flavors); registers ModelSpec ``dflash2``."""
 
 from models.dflash2.args import DFlash2Args, capture_layers, dflash2_flavors
-from models.dflash2.export import export_dflash2
+from models.dflash2.export import dflash2_from_export, export_dflash2
 from models.dflash2.flops import dflash2_flops
 from models.dflash2.model import DFlash2Draft
 from models.dflash2.parallelize import parallelize_dflash2
+from models.dflash2.proposal import DFlashProposer
 from titan_draft.protocols.model_spec import ModelSpec, register_model_spec
 
 register_model_spec(
@@ -17,12 +18,15 @@ register_model_spec(
         export_fn=export_dflash2,
         flops_fn=dflash2_flops,
         needs_last_hidden=False,
+        build_proposer_fn=DFlashProposer,
+        from_export_fn=dflash2_from_export,
     )
 )
 
 __all__ = [
     "DFlash2Args",
     "DFlash2Draft",
+    "DFlashProposer",
     "capture_layers",
     "dflash2_flavors",
     "dflash2_flops",

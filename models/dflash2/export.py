@@ -157,3 +157,53 @@ def export_dflash2(
     if t_hidden != args.hidden_size:
         config["target_hidden_size"] = t_hidden
     return tensors, config
+
+
+def dflash2_from_export(tensors: dict[str, torch.Tensor], config: dict) -> tuple[DFlash2Args, dict[str, torch.Tensor]]:
+    """The inverse of :func:`export_dflash2`: draft args and state dict of an exported folder
+    (ours, or any DFlash / DFlash2 checkpoint in the SGLang serving contract).
+
+    Training-only args (anchors, loss weights) keep their defaults; everything decoding needs
+    (shape, block size, mask token, capture layers, convolutions, selector, logit transform)
+    comes from ``config``. The tensors are checked against the shapes these args imply.
+    """
+    arch = (config.get("architectures") or [None])[0]
+    if arch not in ("DFlash2DraftModel", "DFlashDraftModel"):
+        raise ValueError(f"export config: architectures {config.get('architectures')!r} is not a DFlash draft")
+    dflash = config.get("dflash_config") or {}
+    try:
+        args = DFlash2Args(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_attention_heads=config["num_attention_heads"],
+            num_key_value_heads=config["num_key_value_heads"],
+            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            rms_norm_eps=config["rms_norm_eps"],
+            rope_theta=config["rope_theta"],
+            max_position_embeddings=config["max_position_embeddings"],
+            block_size=config["block_size"],
+            mask_token_id=dflash["mask_token_id"],
+            target_layer_ids=list(dflash["target_layer_ids"]),
+            num_target_layers=config.get("num_target_layers", 0),
+            target_hidden_size=config.get("target_hidden_size", 0),
+            conv_enabled=bool(dflash.get("conv_kernel_size", 0)),
+            conv_kernel_size=dflash.get("conv_kernel_size") or 2,
+            conv_group_size=dflash.get("conv_group_size") or 16,
+            selector_enabled=bool(dflash.get("selector_rank", 0)),
+            selector_rank=dflash.get("selector_rank") or 256,
+            selector_top_k=dflash.get("selector_top_k") or 16,
+            output_multiplier=dflash.get("output_multiplier", 1.0),
+            final_logit_softcapping=dflash.get("final_logit_softcapping", 0.0),
+        )
+    except KeyError as e:
+        raise ValueError(f"export config: missing field {e.args[0]!r}") from None
+    shapes = expected_shapes(args)
+    missing, unexpected = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
+    if missing or unexpected:
+        raise ValueError(f"export tensors: missing {missing}, unexpected {unexpected}")
+    wrong = [k for k in shapes if tuple(tensors[k].shape) != shapes[k]]
+    if wrong:
+        raise ValueError(f"export tensors: shape mismatch for {wrong}")
+    return args, dict(tensors)

@@ -39,19 +39,32 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 class DFlash2Attention(QKNormProjections):
     """Block queries attend to [context ; block] keys through the same k/v projections."""
 
+    def keys_values(self, h: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k, v [B, kv_heads, L, D]`` of rows ``h [B, L, H]`` (k normed and rotated): the
+        context part is all a decoding draft caches, since it does not depend on the block."""
+        bsz, rows, _ = h.shape
+        k = self.k_norm(self.k_proj(h).view(bsz, rows, self.n_kv_heads, self.head_dim))
+        v = self.v_proj(h).view(bsz, rows, self.n_kv_heads, self.head_dim)
+        return apply_rope(k.transpose(1, 2), *rope), v.transpose(1, 2)
+
     def forward(self, x, ctx, rope_q: Rope, rope_k: Rope, attn_mask) -> torch.Tensor:
+        """``ctx`` is the ``[B, S, H]`` context (``rope_k`` then covers context and block
+        positions) or its cached ``(k, v)`` from :meth:`keys_values` (``rope_k`` the block's)."""
         bsz, rows, _ = x.shape
-        kv_len = ctx.shape[1] + rows
         q = self.q_norm(self.q_proj(x).view(bsz, rows, self.n_heads, self.head_dim))
-        # Two projections instead of one on cat([ctx, x]): the concatenated outputs are 4x
-        # narrower than the inputs (GQA), and each call keeps a static row count for float8.
-        k = torch.cat([self.k_proj(ctx), self.k_proj(x)], dim=1)
-        v = torch.cat([self.v_proj(ctx), self.v_proj(x)], dim=1)
-        k = self.k_norm(k.view(bsz, kv_len, self.n_kv_heads, self.head_dim))
-        v = v.view(bsz, kv_len, self.n_kv_heads, self.head_dim)
         q = apply_rope(q.transpose(1, 2), *rope_q)
-        k = apply_rope(k.transpose(1, 2), *rope_k)
-        o = attention(q, k, v.transpose(1, 2), attn_mask)
+        if isinstance(ctx, torch.Tensor):
+            # Two projections instead of one on cat([ctx, x]): the concatenated outputs are 4x
+            # narrower than the inputs (GQA), and each call keeps a static row count for float8.
+            k = torch.cat([self.k_proj(ctx), self.k_proj(x)], dim=1)
+            v = torch.cat([self.v_proj(ctx), self.v_proj(x)], dim=1)
+            k = self.k_norm(k.view(bsz, -1, self.n_kv_heads, self.head_dim))
+            k = apply_rope(k.transpose(1, 2), *rope_k)
+            v = v.view(bsz, -1, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        else:
+            kx, vx = self.keys_values(x, rope_k)
+            k, v = torch.cat([ctx[0], kx], dim=2), torch.cat([ctx[1], vx], dim=2)
+        o = attention(q, k, v, attn_mask)
         return self.o_proj(o.transpose(1, 2).reshape(bsz, rows, -1))
 
 
@@ -75,7 +88,8 @@ class DFlash2DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, ctx: torch.Tensor, rope_q: Rope, rope_k: Rope, attn_mask
     ) -> torch.Tensor:
-        """``x [B, R, H]`` block stream, ``ctx [B, S, H]`` projected target context."""
+        """``x [B, R, H]`` block stream, ``ctx [B, S, H]`` projected target context (or its
+        cached keys and values, see :meth:`DFlash2Attention.forward`)."""
         n = self.input_layernorm(x)
         if self.conv_enabled:
             d = self.attention_conv.deltas(n)
@@ -170,6 +184,12 @@ class DFlash2Draft(nn.Module):
         else:
             self.selector_alpha = float(a.selector_loss_weight)
 
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """cos/sin of ``positions [B, L]``, in ``dtype`` (fp32 as HF, fp64 for fp64 models):
+        training and decoding rotate with the same angles."""
+        a = self.args
+        return rope_cos_sin(positions, a.head_dim, a.rope_theta, dtype)
+
     # ----- forward -----
 
     def forward(
@@ -235,10 +255,8 @@ class DFlash2Draft(nn.Module):
         )
         x = F.embedding(blocks.block_ids, self.target_embed).to(dtype)
         ctx_pos = torch.arange(seq, device=device).expand(bsz, seq)
-        # fp32 RoPE angles (as HF) unless the model runs in fp64
-        rope_q = rope_cos_sin(blocks.positions, a.head_dim, a.rope_theta, acc_dtype)
-        kv_pos = torch.cat([ctx_pos, blocks.positions], dim=1)
-        rope_k = rope_cos_sin(kv_pos, a.head_dim, a.rope_theta, acc_dtype)
+        rope_q = self.rope(blocks.positions, acc_dtype)
+        rope_k = self.rope(torch.cat([ctx_pos, blocks.positions], dim=1), acc_dtype)
         mask_mod = make_mask_mod(anchors, keep, seq, b)
         attn_mask = build_attention_mask(mask_mod, bsz, rows, seq + rows, device, a.attn_backend)
         for layer in self.layers.values():

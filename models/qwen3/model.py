@@ -22,21 +22,27 @@ from models.common import (
     rope_cos_sin,
 )
 from models.qwen3.args import Qwen3Args
+from models.qwen3.cache import DecodeStep, KVCache, LayerCache
 
 
 class Qwen3Attention(QKNormProjections):
     """Causal GQA self-attention with per-head q/k RMSNorm (Qwen3; none for Llama-3)."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv: LayerCache | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, s, self.n_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Padding sits at the end of each row, so plain causal attention is exact for real tokens.
-        o = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads
-        )
+        gqa = self.n_heads != self.n_kv_heads
+        if kv is None:
+            # Padding sits at the end of each row, so plain causal attention is exact for real
+            # tokens.
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            k, v = kv.update(k, v)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=kv.mask, enable_gqa=gqa)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -48,8 +54,9 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -122,23 +129,33 @@ class Qwen3Model(nn.Module):
                 value = torch.empty(p.shape, device=local.device).normal_(0.0, std, generator=gen)
             copy_full_(p, value.to(p.dtype))
 
-    def _rope(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # fp32 angles (HF) unless the model itself runs in fp64
         dtype = torch.promote_types(self.embed_tokens.weight.dtype, torch.float32)
-        return rope_cos_sin(pos, self.args.head_dim, self.args.rope_theta, dtype, self.args.rope_scaling)
+        return rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, dtype, self.args.rope_scaling)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         layer_ids: list[int] | None = None,
         need_last_hidden: bool = True,
+        *,
+        cache: KVCache | None = None,
+        logits: str = "all",
     ):
         """``layer_ids=None``: logits ``[B, S, V]``; else ``(aux, last_hidden | None)`` as in
         :meth:`capture`. Capture goes through ``forward`` so FSDP2's root hooks (which unshard
         the embedding/norm/lm_head group) run; call :meth:`capture` rather than this form.
+
+        With ``cache`` (see :meth:`new_cache`) the tokens continue the cached ones and a
+        :class:`DecodeStep` is returned: ``logits`` ``'all'``, ``'last'`` or ``'none'``,
+        capture-layer outputs for ``layer_ids`` (may be None), the final-norm hidden states
+        when ``need_last_hidden``. The cache has advanced past the new tokens.
         """
-        cos, sin = self._rope(input_ids)
+        if cache is not None:
+            return self._decode(input_ids, layer_ids, need_last_hidden, cache, logits)
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        cos, sin = self._rope(pos)
         h = self.embed_tokens(input_ids)
         if layer_ids is None:
             for layer in self.layers.values():
@@ -154,6 +171,36 @@ class Qwen3Model(nn.Module):
                 outs[i] = h
         aux = torch.cat([outs[i] for i in layer_ids], dim=-1)
         return aux, (self.norm(h) if need_last_hidden else None)
+
+    def _decode(self, input_ids, layer_ids, need_last_hidden, cache: KVCache, logits: str) -> DecodeStep:
+        if logits not in ("all", "last", "none"):
+            raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+        num_new = input_ids.shape[1]
+        cos, sin = self._rope(cache.positions(num_new))
+        mask = cache.attn_mask(num_new)
+        wanted = set(layer_ids or ())
+        outs: dict[int, torch.Tensor] = {}
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers.values()):
+            h = layer(h, cos, sin, LayerCache(cache, i, mask))
+            if i in wanted:
+                outs[i] = h
+        cache.advance(num_new)
+        normed = self.norm(h)
+        out_logits = None
+        if logits != "none":
+            out_logits = self.lm_head(normed if logits == "all" else normed[:, -1:])
+        aux = torch.cat([outs[i] for i in layer_ids], dim=-1) if layer_ids else None
+        return DecodeStep(logits=out_logits, aux=aux, last_hidden=normed if need_last_hidden else None)
+
+    def new_cache(self, batch: int, max_len: int, pad: torch.Tensor | None = None) -> KVCache:
+        """An empty :class:`KVCache` for ``batch`` rows of up to ``max_len`` tokens, in the
+        model's dtype and on its device (``pad``: left-padding per row)."""
+        w = self.embed_tokens.weight
+        local = w.to_local() if isinstance(w, DTensor) else w
+        a = self.args
+        return KVCache(a.num_hidden_layers, batch, max_len, a.num_key_value_heads, a.head_dim,
+                       dtype=local.dtype, device=local.device, pad=pad)
 
     @torch.no_grad()
     def capture(

@@ -236,6 +236,13 @@ class MetricsLogger:
             self.writer.flush()
         return line
 
+    def add_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        """TensorBoard only (rank 0), for results that print their own report (the eval)."""
+        if self.writer is not None:
+            for key, value in scalars.items():
+                self.writer.add_scalar(_tb_tag(key), float(value), step)
+            self.writer.flush()
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

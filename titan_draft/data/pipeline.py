@@ -213,7 +213,8 @@ def _chat_source(data_cfg: Any, tokenizer: Tokenizer, template: str, *, dp_rank:
                  static_shapes: bool) -> ChatSourceNode:
     """This DP rank's conversations of ``data.source``, rendered with ``template``."""
     rows, total = load_rows(
-        data_cfg.source, max_rows=data_cfg.max_rows, dp_rank=dp_rank, dp_world=dp_world
+        data_cfg.source, max_rows=data_cfg.max_rows, dp_rank=dp_rank, dp_world=dp_world,
+        skip_rows=data_cfg.holdout_rows,
     )
     if not rows:
         raise ValueError(
@@ -225,9 +226,10 @@ def _chat_source(data_cfg: Any, tokenizer: Tokenizer, template: str, *, dp_rank:
         chat_format += f" (enable_thinking={data_cfg.enable_thinking})"
     if data_cfg.last_turn_only:
         chat_format += ", last assistant turn only"
+    held_out = f" after {data_cfg.holdout_rows} held-out rows" if data_cfg.holdout_rows else ""
     logger.info(
-        "data: %s, %d rows, %d on DP rank %d/%d, template %s, max_length %d, %s shapes",
-        data_cfg.source, total, len(rows), dp_rank, dp_world, chat_format,
+        "data: %s, %d rows%s, %d on DP rank %d/%d, template %s, max_length %d, %s shapes",
+        data_cfg.source, total, held_out, len(rows), dp_rank, dp_world, chat_format,
         data_cfg.max_length, "static" if static_shapes else "dynamic",
     )  # fmt: skip
     return ChatSourceNode(

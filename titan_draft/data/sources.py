@@ -265,11 +265,12 @@ def _iter_source(source: str) -> Iterator[Any]:
 
 
 def load_rows(
-    source: str, *, max_rows: int = 0, dp_rank: int = 0, dp_world: int = 1
+    source: str, *, max_rows: int = 0, dp_rank: int = 0, dp_world: int = 1, skip_rows: int = 0
 ) -> tuple[list[Any], int]:
     """Raw rows of one DP rank.
 
-    Rank ``r`` owns rows ``r, r + dp_world, ...`` of the first ``max_rows`` rows of the source
+    The first ``skip_rows`` rows are passed over (``data.holdout_rows``: held out for the eval).
+    Rank ``r`` owns rows ``r, r + dp_world, ...`` of the next ``max_rows`` rows of the source
     (all rows when ``max_rows`` is 0), so ranks are disjoint and together cover the source.
 
     Returns:
@@ -280,16 +281,24 @@ def load_rows(
     """
     if max_rows < 0:
         raise ValueError(f"data.max_rows: must be >= 0, got {max_rows}")
+    if skip_rows < 0:
+        raise ValueError(f"data.holdout_rows: must be >= 0, got {skip_rows}")
     if not 0 <= dp_rank < dp_world:
         raise ValueError(f"dp_rank {dp_rank} is outside dp_world {dp_world}")
     rows: list[Any] = []
-    total = 0
+    total = skipped = 0
     for row in _iter_source(source):
+        if skipped < skip_rows:
+            skipped += 1
+            continue
         if max_rows and total >= max_rows:
             break
         if total % dp_world == dp_rank:
             rows.append(row)
         total += 1
     if total == 0:
+        if skip_rows:
+            raise ValueError(f"data.source: {source!r} has no rows after the {skip_rows} held-out "
+                             f"rows (data.holdout_rows)")
         raise ValueError(f"data.source: {source!r} has no rows")
     return rows, total

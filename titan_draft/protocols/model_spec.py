@@ -46,6 +46,12 @@ class ModelSpec:
     """(model_args, batch_size, seq_len) -> model FLOPs of one training micro-step (fwd + bwd)."""
     needs_last_hidden: bool = False
     """Whether the draft consumes TargetFeatures.last_hidden."""
+    build_proposer_fn: Callable[[nn.Module], Any] | None = None
+    """(plain eval-mode draft with its frozen tables) -> a ``Proposer`` (protocols/proposer.py):
+    how the draft drafts tokens during real speculative decoding (the true-τ eval)."""
+    from_export_fn: Callable[[dict[str, torch.Tensor], dict], tuple[Any, dict[str, torch.Tensor]]] | None = None
+    """(export tensors, export config.json) -> (model args, state dict): ``export_fn``'s inverse,
+    so an exported draft can be evaluated."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -1,0 +1,140 @@
+"""DFlash / DFlash2 at decode time: the proposer's block is the training block, its picks follow
+the serving rule (argmax; DFlash2's selector walk), and an export reads back into the same draft."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from models.dflash2.args import dflash2_flavors
+from models.dflash2.export import dflash2_from_export, export_dflash2
+from models.dflash2.model import DFlash2Draft
+from models.dflash2.proposal import DFlashProposer
+from models.qwen3 import Qwen3Model, qwen3_flavors
+from titan_draft.protocols import TargetFeatures
+
+VOCAB, LAYERS = 263, [0, 3, 5]
+
+
+@pytest.fixture(scope="module")
+def target() -> Qwen3Model:
+    m = Qwen3Model(replace(qwen3_flavors["debugmodel"], vocab_size=VOCAB)).double().eval()
+    m.init_weights(seed=11)
+    return m
+
+
+def _draft(target, flavor: str, **kw) -> DFlash2Draft:
+    a = replace(dflash2_flavors[flavor], vocab_size=VOCAB, target_layer_ids=LAYERS, num_target_layers=6,
+                mask_token_id=VOCAB - 1, **kw)
+    d = DFlash2Draft(a).double()
+    torch.manual_seed(1)
+    d.init_weights()
+    with torch.no_grad():  # away from the no-op inits, so convolutions and selector matter
+        for name, p in d.named_parameters():
+            if any(s in name for s in ("kernel_projection", "base_kernel", "successor", "norm")):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.3)
+    d.load_frozen_tables(target.embed_weight(), target.lm_head_weight())
+    return d.eval()
+
+
+def _ids(n: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB - 1, (1, n), generator=torch.Generator().manual_seed(n))
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "dflash_debugmodel"])
+@torch.no_grad()
+def test_decode_block_equals_training_block(target, flavor):
+    """The block the proposer runs after committing x_0 .. x_{a-1} is the training block
+    anchored at a: same context (strictly before the anchor), positions, mask token."""
+    draft = _draft(target, flavor)
+    ids = _ids(40)
+    aux, _ = target.capture(ids, LAYERS, False)
+    feats = TargetFeatures(input_ids=ids, loss_mask=torch.ones_like(ids, dtype=torch.bool),
+                           valid_lengths=torch.tensor([40]), aux_hidden=aux)
+    proposer = DFlashProposer(draft)
+    for a in (1, 9, 23):
+        hidden, _ = draft.block_hidden(feats, torch.tensor([[a]]), torch.tensor([[True]]))
+        proposer.reset(64)
+        half = a // 2  # committed in pieces, as decoding does
+        proposer.commit(ids[0, :half], aux[0, :half])
+        proposer.commit(ids[0, half:a], aux[0, half:a])
+        torch.testing.assert_close(proposer.block_hidden(int(ids[0, a])), hidden[0], rtol=0, atol=1e-12)
+
+
+def _unary(draft, hidden):
+    a = draft.args
+    u = a.output_multiplier * (hidden @ draft.target_lm_head.t())
+    return a.final_logit_softcapping * torch.tanh(u / a.final_logit_softcapping) if a.final_logit_softcapping else u
+
+
+@torch.no_grad()
+def test_dflash_proposes_each_slot_argmax(target):
+    draft = _draft(target, "dflash_debugmodel", output_multiplier=0.7, final_logit_softcapping=3.0)
+    ids = _ids(20)
+    proposer = DFlashProposer(draft)
+    proposer.commit(ids[0, :19], target.capture(ids[:, :19], LAYERS, False)[0][0])
+    hidden = proposer.block_hidden(int(ids[0, 19]))[1:]
+    assert proposer.propose(int(ids[0, 19])).tolist() == _unary(draft, hidden).argmax(-1).tolist()
+
+
+@torch.no_grad()
+def test_dflash2_selector_walk(target):
+    """Slot k's pick maximizes unary + <A[prev] * P h_k, B[c]> over its unary top-K, prev being
+    slot k-1's pick (the anchor for slot 1): checked with plain tensor ops."""
+    draft = _draft(target, "debugmodel")
+    a, sel = draft.args, draft.candidate_selector
+    with torch.no_grad():  # strong enough to overrule the unary argmax
+        sel.successor_codebook.normal_(0.0, 3.0)
+        sel.predecessor_codebook.normal_(0.0, 3.0)
+    ids = _ids(17)
+    proposer = DFlashProposer(draft)
+    proposer.commit(ids[0, :16], target.capture(ids[:, :16], LAYERS, False)[0][0])
+    anchor = int(ids[0, 16])
+    hidden = proposer.block_hidden(anchor)[1:]
+    unary = _unary(draft, hidden)
+    prev, want = anchor, []
+    for k in range(a.block_size - 1):
+        vals, cands = unary[k].topk(a.selector_top_k)
+        query = sel.predecessor_codebook[prev] * (sel.hidden_projection.weight @ hidden[k])
+        scores = vals + sel.successor_codebook[cands] @ query
+        prev = int(cands[scores.argmax()])
+        want.append(prev)
+    got = proposer.propose(anchor).tolist()
+    assert got == want
+    assert got != unary.argmax(-1).tolist()  # the selector changed some picks
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "dflash_debugmodel"])
+@torch.no_grad()
+def test_export_reads_back_into_the_same_draft(target, flavor):
+    draft = _draft(target, flavor)
+    info = {"num_hidden_layers": 6, "vocab_size": VOCAB, "hidden_size": 64}
+    tensors, config = export_dflash2(draft.state_dict(), draft.args, info)
+    args, state = dflash2_from_export(tensors, config)
+    names = ["hidden_size", "num_layers", "block_size", "mask_token_id", "target_layer_ids", "conv_enabled",
+             "selector_enabled", "rope_theta", "rms_norm_eps", "head_dim", "num_key_value_heads"]
+    if draft.args.conv_enabled:
+        names += ["conv_kernel_size", "conv_group_size"]
+    if draft.args.selector_enabled:
+        names += ["selector_rank", "selector_top_k"]
+    for name in names:
+        assert getattr(args, name) == getattr(draft.args, name), name
+    back = DFlash2Draft(args).double()
+    back.load_state_dict(state, strict=True)
+    back.load_frozen_tables(target.embed_weight(), target.lm_head_weight())
+    ids = _ids(30)
+    aux = target.capture(ids[:, :29], LAYERS, False)[0][0]
+    picks = []
+    for d in (draft, back.eval()):
+        p = DFlashProposer(d)
+        p.commit(ids[0, :29], aux)
+        picks.append(p.propose(int(ids[0, 29])).tolist())
+    assert picks[0] == picks[1]
+    with pytest.raises(ValueError, match="not a DFlash draft"):
+        dflash2_from_export(tensors, {**config, "architectures": ["LlamaForCausalLMEagle3"]})
+    with pytest.raises(ValueError, match="missing field 'block_size'"):
+        dflash2_from_export(tensors, {k: v for k, v in config.items() if k != "block_size"})
+    with pytest.raises(ValueError, match="missing"):
+        dflash2_from_export({k: v for k, v in tensors.items() if k != "norm.weight"}, config)

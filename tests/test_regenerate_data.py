@@ -1,0 +1,80 @@
+"""scripts/regenerate_data.py: batched, left-padded generation answers as one-at-a-time greedy
+decoding does, and its output folder trains as a data.source."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from scripts.regenerate_data import generate, main
+from titan_draft import load_target
+from titan_draft.components.speculative import greedy_decode
+from titan_draft.data.chat_template import Turn
+from titan_draft.data.prompts import render_prompt, stop_token_ids
+from titan_draft.data.sources import load_rows
+from titan_draft.data.tokenizer import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def target(random_target_dir):
+    return load_target(random_target_dir, dtype=torch.float64)
+
+
+def test_batched_greedy_equals_one_at_a_time(target):
+    prompts = [[5, 9, 11, 2], [7, 7, 3, 1, 8, 20, 4, 6, 6], [30, 1]]
+    plain = [greedy_decode(target, p, 12, [], torch.device("cpu")).tokens for p in prompts]
+    stop = plain[1][4]  # a token that ends the second answer early
+    got = generate(target, prompts, max_new_tokens=12, stop_ids=[stop], pad_id=0)
+    for p, (tokens, finished), full in zip(prompts, got, plain):
+        want = full[: full.index(stop) + 1] if stop in full else full
+        assert tokens == want and finished == (stop in full)
+    assert got[1][1] is True
+
+
+def test_sampling_is_seeded(target):
+    prompts = [[5, 9, 11, 2], [30, 1]]
+
+    def run(seed):
+        g = torch.Generator().manual_seed(seed)
+        return generate(target, prompts, max_new_tokens=10, stop_ids=[], pad_id=0, temperature=1.0, top_p=0.9,
+                        generator=g)
+
+    assert run(3) == run(3) != run(4)
+
+
+def _chats(path, n):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"conversations": [{"from": "human", "value": f"Tell me about {i}."},
+                                                  {"from": "gpt", "value": "old answer"}]}) + "\n")
+    return str(path)
+
+
+def test_script_writes_a_source_and_resumes(tmp_path, random_target_dir, capsys):
+    source = _chats(tmp_path / "chats.jsonl", 6)
+    out = tmp_path / "regen"
+    argv = ["--target", random_target_dir, "--out", str(out), "--source", source, "--skip-rows", "2",
+            "--num-prompts", "3", "--max-new-tokens", "5", "--batch-size", "2", "--dtype", "float32"]
+    main(argv)
+    rows, total = load_rows(str(out))
+    assert total == 3 and sorted(r["source_row"] for r in rows) == [2, 3, 4]
+    tok = build_tokenizer(random_target_dir)
+    target = load_target(random_target_dir, dtype=torch.float32)
+    for row in rows:
+        question, answer = row["conversations"]
+        assert question == {"from": "human", "value": f"Tell me about {row['source_row']}."}
+        prompt = render_prompt([Turn("user", question["value"])], tok, "qwen3", enable_thinking=False)
+        want = greedy_decode(target, prompt, 5, stop_token_ids(tok, "qwen3"), torch.device("cpu")).tokens
+        assert answer == {"from": "gpt", "value": tok.decode(want)} and row["finished"] is False
+    settings = json.loads((out / "meta" / "settings-00000.json").read_text())
+    assert settings["answered"] == 3 and settings["skip_rows"] == 2 and settings["temperature"] == 0.0
+    main(argv)  # nothing left to answer: no row is written twice
+    assert load_rows(str(out))[1] == 3
+    assert json.loads((out / "meta" / "settings-00000.json").read_text())["already_done"] == 3
+    assert "subfolders" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="does not exist"):
+        main(["--target", random_target_dir, "--out", str(out), "--source", str(tmp_path / "nope.jsonl")])
+    assert os.path.isfile(out / "part-00000.jsonl")

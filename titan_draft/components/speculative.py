@@ -1,0 +1,158 @@
+"""Greedy speculative decoding against a real target, and the plain greedy decoding it must equal.
+
+One sequence at a time (batch 1), both with a KV cache on the target. A speculative round:
+the draft proposes up to ``n`` tokens after the newest committed token ``x``; the target runs once
+on ``[x, d_1 .. d_n]``, its greedy choice after each of them is compared with the next draft
+token, the longest agreeing prefix ``d_1 .. d_m`` is accepted and the target's own choice after
+``d_m`` (the bonus token) is appended, so every round yields ``m + 1`` tokens. The cache entries of
+the rejected tokens are cropped and the draft is given the target's features of the ``m + 1``
+positions it now knows.
+
+τ (acceptance length) = tokens produced by verification rounds / verification rounds: the token
+the prefill produces is counted by neither, and tokens cut off at a stop token or at
+``max_new_tokens`` are not counted. Lossless means the speculative tokens equal the plain
+greedy tokens one for one; where floating-point rounding (bf16) lets two near-equal logits swap
+between the two computations they part ways, and :func:`compare` reports the logit margin there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from titan_draft.protocols.proposer import Proposer
+
+
+@dataclass
+class Generation:
+    """One decoded sequence."""
+
+    tokens: list[int]
+    """New tokens after the prompt, up to and including the first stop token."""
+    wall_s: float
+    """Wall-clock seconds of the whole decode (prefill included), device-synchronized."""
+    rounds: int = 0
+    """Target verification passes (speculative decoding only)."""
+    accepted: list[int] = field(default_factory=list)
+    """Draft tokens accepted in each round (the bonus token not included)."""
+    proposed: list[int] = field(default_factory=list)
+    """Draft tokens proposed in each round."""
+    margins: list[float] = field(default_factory=list)
+    """Plain greedy only: top-1 minus top-2 logit of every step (how near a tie each choice was)."""
+
+    @property
+    def round_tokens(self) -> int:
+        """Tokens produced by verification rounds (all but the prefill's)."""
+        return max(len(self.tokens) - 1, 0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cut(tokens: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> tuple[list[int], bool]:
+    """``tokens`` up to the first stop token (inclusive) and at most ``max_new_tokens``; and
+    whether decoding is over."""
+    for i, t in enumerate(tokens[:max_new_tokens]):
+        if t in stop_ids:
+            return tokens[: i + 1], True
+    tokens = tokens[:max_new_tokens]
+    return tokens, len(tokens) >= max_new_tokens
+
+
+@torch.no_grad()
+def greedy_decode(target, prompt: list[int], max_new_tokens: int, stop_ids, device: torch.device) -> Generation:
+    """Plain greedy decoding with a KV cache, one token per target forward."""
+    stop = frozenset(stop_ids)
+    _sync(device)
+    start = time.perf_counter()
+    cache = target.new_cache(1, len(prompt) + max_new_tokens)
+    inp = torch.tensor([prompt], device=device)
+    tokens: list[int] = []
+    margins: list[float] = []
+    while len(tokens) < max_new_tokens and not (tokens and tokens[-1] in stop):
+        logits = target(inp, cache=cache, logits="last", need_last_hidden=False).logits[0, -1].float()
+        top = logits.topk(2)
+        margins.append(float(top.values[0] - top.values[1]))
+        tokens.append(int(top.indices[0]))
+        inp = top.indices[:1].view(1, 1)
+    _sync(device)
+    return Generation(tokens=tokens, wall_s=time.perf_counter() - start, margins=margins)
+
+
+@torch.no_grad()
+def speculative_decode(target, proposer: Proposer, prompt: list[int], max_new_tokens: int, stop_ids,
+                       device: torch.device) -> Generation:
+    """Greedy speculative decoding (module docstring) of ``prompt`` with ``proposer``'s drafts."""
+    stop = frozenset(stop_ids)
+    layers, need_last = proposer.capture_layers, proposer.needs_last_hidden
+    max_len = len(prompt) + max_new_tokens + proposer.num_draft_tokens + 1
+    _sync(device)
+    start = time.perf_counter()
+    cache = target.new_cache(1, max_len)
+    proposer.reset(max_len)
+    inp = torch.tensor(prompt, device=device)
+    step = target(inp[None], layers, need_last, cache=cache, logits="last")
+    proposer.commit(inp, step.aux[0], step.last_hidden[0] if need_last else None)
+    tokens, done = _cut([int(step.logits[0, -1].argmax())], max_new_tokens, stop)
+    out = Generation(tokens=tokens, wall_s=0.0)
+    if max_new_tokens <= 0:
+        out.tokens, done = [], True
+    while not done:
+        last = out.tokens[-1]
+        draft = proposer.propose(last).to(device=device, dtype=torch.long).flatten()
+        n = draft.numel()
+        inp = torch.cat([torch.tensor([last], device=device), draft])
+        step = target(inp[None], layers, need_last, cache=cache, logits="all")
+        choice = step.logits[0].argmax(dim=-1)  # the target's token after each input token
+        agree = (draft == choice[:n]).to(torch.long)
+        m = int(agree.cumprod(0).sum()) if n else 0
+        cache.crop(cache.length - (n - m))
+        proposer.commit(inp[: m + 1], step.aux[0, : m + 1],
+                        step.last_hidden[0, : m + 1] if need_last else None)
+        out.rounds += 1
+        out.accepted.append(m)
+        out.proposed.append(n)
+        out.tokens, done = _cut(out.tokens + choice[: m + 1].tolist(), max_new_tokens, stop)
+    _sync(device)
+    out.wall_s = time.perf_counter() - start
+    return out
+
+
+@dataclass
+class Divergence:
+    """Where speculative and plain greedy output first differ."""
+
+    index: int
+    """Index among the new tokens."""
+    greedy_token: int
+    speculative_token: int
+    margin: float
+    """Plain greedy's top-1 minus top-2 logit at that step."""
+    recomputed_margin: float
+    """logit(greedy token) - logit(speculative token) from one uncached forward of the prompt
+    and the common prefix (a third computation; ~0 at a true near-tie)."""
+
+
+@torch.no_grad()
+def compare(target, prompt: list[int], greedy: Generation, spec: Generation, device: torch.device) -> Divergence | None:
+    """The first difference between ``greedy`` and ``spec`` (None: lossless), with its margins.
+    A length difference without a differing token counts at the shorter one's end."""
+    a, b = greedy.tokens, spec.tokens
+    index = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if index is None:
+        if len(a) == len(b):
+            return None
+        index = min(len(a), len(b))
+    g = a[index] if index < len(a) else -1
+    s = b[index] if index < len(b) else -1
+    margin = greedy.margins[index] if index < len(greedy.margins) else float("nan")
+    recomputed = float("nan")
+    if g >= 0 and s >= 0:
+        ids = torch.tensor([prompt + a[:index]], device=device)
+        logits = target(ids)[0, -1].float()
+        recomputed = float(logits[g] - logits[s])
+    return Divergence(index=index, greedy_token=g, speculative_token=s, margin=margin, recomputed_margin=recomputed)
