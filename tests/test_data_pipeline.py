@@ -31,11 +31,12 @@ def _write(path, lines):
     return str(path)
 
 
-def _build(tok, source, *, bs=3, rank=0, world=1, seed=7, static=False, pad_multiple=1, **data):
+def _build(tok, source, *, bs=3, rank=0, world=1, seed=7, static=False, pad_multiple=1, reserved=(), **data):
     data.setdefault("chat_template", "chatml")  # the lengths below were measured with it
     cfg = Data(source=source, max_length=data.pop("max_length", 64), **data)
     return build_dataloader(cfg, tok, dp_rank=rank, dp_world=world, local_batch_size=bs,
-                            seed=seed, static_shapes=static, pad_multiple=pad_multiple)  # fmt: skip
+                            seed=seed, static_shapes=static, pad_multiple=pad_multiple,
+                            reserved_ids=frozenset(reserved))  # fmt: skip
 
 
 def _row_ids(batch, tok):
@@ -137,10 +138,12 @@ def test_bad_rows_skipped_and_counted(tok, tmp_path):
                       {"role": "assistant", "content": "a"}]},
         {"messages": [{"role": "user", "content": "q"}, {"role": "user", "content": "q"},
                       {"role": "assistant", "content": "a"}]},
+        _conv(4, user="a question holding <|fim_pad|>, the draft's mask token"),
         _conv(3),
     ]  # fmt: skip
     src = _write(tmp_path / "d.jsonl", lines)
-    dl = _build(tok, src, bs=1, shuffle=False, max_length=64, prefetch_factor=2)
+    reserved = [tok.token_id("<|fim_pad|>")]
+    dl = _build(tok, src, bs=1, shuffle=False, max_length=64, prefetch_factor=2, reserved=reserved)
     assert _row_ids(next(dl), tok) == [0]
     consumed = dl._source_state()
     _wait_read_ahead(dl, consumed)
@@ -152,7 +155,7 @@ def test_bad_rows_skipped_and_counted(tok, tmp_path):
     assert [_row_ids(next(dl), tok)[0] for _ in range(3)] == [0, 1, 3]
     assert dl.skip_counts == {k: 2 * v for k, v in once.items()}  # cumulative over epochs
 
-    fresh = _build(tok, src, bs=1, shuffle=False, max_length=64, prefetch_factor=2)
+    fresh = _build(tok, src, bs=1, shuffle=False, max_length=64, prefetch_factor=2, reserved=reserved)
     fresh.load_state_dict(sd)
     assert fresh.skip_counts == once and fresh.epoch == 1
 

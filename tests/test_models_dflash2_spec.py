@@ -196,7 +196,8 @@ def test_registry_and_flavors():
     spec = get_model_spec("dflash2")
     assert spec.model_cls is DFlash2Draft and spec.needs_last_hidden is False
     assert spec.export_fn is export_dflash2 and spec.flops_fn is dflash2_flops
-    assert spec.capture_layers_fn is capture_layers and callable(spec.parallelize_fn)
+    assert spec.capture_layers_fn(replace(dflash2_flavors["debugmodel"], target_layer_ids=[3, 1])) == [3, 1]
+    assert callable(spec.parallelize_fn) and callable(spec.update_args_fn)
     assert set(spec.flavors) == {"debugmodel", "qwen3_8b", "dflash_debugmodel", "dflash_qwen3_8b"}
     q = spec.flavors["qwen3_8b"]
     assert (q.num_layers, q.hidden_size, q.block_size, q.num_anchors, q.loss_gamma) == (

@@ -85,7 +85,7 @@ def test_mask_token_comes_from_the_tokenizer_unless_set():
 
     spec, target = get_model_spec("dflash2"), qwen3_flavors["debugmodel"]
     tok = build_tokenizer("qwen3")
-    auto = resolve_model_args(spec, _cfg(), target, False, tok)
+    auto = resolve_model_args(spec, _cfg(), target, tok)
     assert auto.mask_token_id == tok.unused_token_id(target.vocab_size) == 151669
     cfg = _cfg("--model.args.mask_token_id", "151700")
-    assert resolve_model_args(spec, cfg, target, False, tok).mask_token_id == 151700
+    assert resolve_model_args(spec, cfg, target, tok).mask_token_id == 151700

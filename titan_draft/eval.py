@@ -98,7 +98,7 @@ class Evaluator:
     """The ``[eval]`` section during training: prompts rendered once at start (so a bad source
     fails before training), the measurement every ``eval.interval`` steps and at the end."""
 
-    def __init__(self, cfg, spec, model_args, target, tokenizer, device: torch.device):
+    def __init__(self, cfg, spec, model_args, target, tokenizer, device: torch.device, reserved_ids=()):
         e = cfg.eval
         self.cfg, self.spec, self.model_args = cfg, spec, model_args
         self.target, self.device = target, device
@@ -114,6 +114,12 @@ class Evaluator:
             enable_thinking=d.enable_thinking, num_prompts=e.num_prompts, data_source=d.source,
             holdout_rows=d.holdout_rows, max_prompt_tokens=e.max_prompt_tokens,
         )
+        reserved = set(reserved_ids)
+        kept = [p for p in self.prompts if reserved.isdisjoint(p.ids)]
+        if len(kept) < len(self.prompts):
+            logger.warning(f"eval: {len(self.prompts) - len(kept)} prompts hold a token the draft reserves "
+                           f"({sorted(reserved)}) and are left out")
+        self.prompts = kept
         if not self.prompts:
             raise ValueError(f"eval.prompts: {list(e.prompts)} gave no prompts")
         self.stop_ids = stop_token_ids(tokenizer, template)

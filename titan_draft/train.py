@@ -41,7 +41,7 @@ from titan_draft.distributed.utils import (
 )
 from titan_draft.eval import Evaluator, report_scalars, save_model_args
 from titan_draft.logger import init_logger, logger
-from titan_draft.protocols import get_model_spec
+from titan_draft.protocols import ArgsContext, get_model_spec
 
 
 @dataclasses.dataclass
@@ -55,9 +55,9 @@ class _LogWindow:
     data_wait: float = 0.0
 
 
-def resolve_model_args(spec, cfg: JobConfig, target_args, static_shapes: bool, tokenizer=None):
-    """Flavor args + [model.args] overrides + facts taken from the target (and, for drafts with
-    a mask token, an unused id of the target's tokenizer unless model.args sets one)."""
+def resolve_model_args(spec, cfg: JobConfig, target_args, tokenizer):
+    """Flavor args, then the [model.args] overrides, then the draft's own ``update_args_fn``
+    (what it takes from the target, its tokenizer and the job)."""
     if cfg.model.flavor not in spec.flavors:
         raise ValueError(f"model.flavor: {cfg.model.flavor!r} is not a {spec.name} flavor ({sorted(spec.flavors)})")
     args = spec.flavors[cfg.model.flavor]
@@ -66,31 +66,10 @@ def resolve_model_args(spec, cfg: JobConfig, target_args, static_shapes: bool, t
     if unknown:
         raise ValueError(f"model.args: unknown {spec.name} arg(s) {unknown}; known: {sorted(names)}")
     args = dataclasses.replace(args, **cfg.model.args)
-    if args.hidden_size != target_args.hidden_size:
-        raise ValueError(
-            f"model: draft hidden_size {args.hidden_size} != target hidden_size {target_args.hidden_size}; "
-            "the draft uses the target's embedding and lm_head, so they must match"
-        )
-    layer_ids = list(cfg.target.capture_layers) or list(
-        spec.capture_layers_fn(args, target_args.num_hidden_layers)
-    )
-    bad = [i for i in layer_ids if not 0 <= i < target_args.num_hidden_layers]
-    if bad:
-        raise ValueError(
-            f"target.capture_layers: ids {bad} are outside the target's {target_args.num_hidden_layers} layers"
-        )
-    if tokenizer is not None and "mask_token_id" in names and "mask_token_id" not in cfg.model.args:
-        # never an id the data contains: Qwen3 151669 (first row past the tokenizer), Llama-3
-        # <|reserved_special_token_0|> (128002)
-        args = dataclasses.replace(args, mask_token_id=tokenizer.unused_token_id(target_args.vocab_size))
-    return dataclasses.replace(
-        args,
-        target_layer_ids=layer_ids,
-        num_target_layers=target_args.num_hidden_layers,
-        vocab_size=target_args.vocab_size,
-        target_hidden_size=target_args.hidden_size,
-        static_anchors=static_shapes,
-    )
+    ctx = ArgsContext(target=target_args, tokenizer=tokenizer, job=cfg,
+                      chat_template=resolve_template(cfg.data.chat_template, tokenizer),
+                      overrides=frozenset(cfg.model.args))
+    return spec.update_args_fn(args, ctx)
 
 
 class Trainer:
@@ -111,10 +90,10 @@ class Trainer:
         target_dtype = cfg.target.dtype if on_gpu else "float32"  # CPU runs everything in fp32
         self.target = build_target(cfg, self.device, to_dtype(target_dtype), mesh=self.dp_mesh)
         self.tokenizer = build_target_tokenizer(cfg, self.target.args.vocab_size)
-        self.model_args = resolve_model_args(
-            self.spec, cfg, self.target.args, cfg.training.static_shapes, self.tokenizer
-        )
-        self.layer_ids = list(self.model_args.target_layer_ids)
+        self.model_args = resolve_model_args(self.spec, cfg, self.target.args, self.tokenizer)
+        self.layer_ids = list(self.spec.capture_layers_fn(self.model_args))
+        reserved = self.spec.reserved_tokens_fn
+        self.reserved_tokens = list(reserved(self.model_args)) if reserved is not None else []
 
         pad_multiple = 16 if cfg.float8.enable else 1
         self.dataloader = build_dataloader(
@@ -126,6 +105,7 @@ class Trainer:
             seed=cfg.training.seed,
             static_shapes=cfg.training.static_shapes,
             pad_multiple=pad_multiple,
+            reserved_ids=frozenset(self.reserved_tokens),
         )
         self.total_steps = self._total_steps()
 
@@ -158,7 +138,8 @@ class Trainer:
             dp_world=self.dp_world,
         )
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device.type)
-        self.evaluator = Evaluator(cfg, self.spec, self.model_args, self.target.model, self.tokenizer, self.device)
+        self.evaluator = Evaluator(cfg, self.spec, self.model_args, self.target.model, self.tokenizer, self.device,
+                                   reserved_ids=self.reserved_tokens)
         self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device)) if on_gpu else None
 
         self.run_info = {
@@ -175,7 +156,9 @@ class Trainer:
             "data_source": cfg.data.source,
             "holdout_rows": cfg.data.holdout_rows,
             "eval_prompts": [p.name for p in self.evaluator.prompts] if self.evaluator.enabled else [],
-            "mask_token_id": getattr(self.model_args, "mask_token_id", None),
+            # tokens the draft reserves (DFlash: its mask token), as ids and text
+            "reserved_tokens": [[i, self.tokenizer.decode([i]) if i < self.tokenizer.n_vocab else None]
+                                for i in self.reserved_tokens],
             "target_dtype": target_dtype,
             "capture_layers": self.layer_ids,
             "param_dtype": mixed_precision_dtypes(cfg, self.device.type)[0],
@@ -214,8 +197,7 @@ class Trainer:
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict:
         step = self.train_state.step
-        if hasattr(self.model, "set_train_progress"):
-            self.model.set_train_progress(step, self.total_steps)
+        self.model.set_train_progress(step, self.total_steps)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = {}
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)

@@ -1,6 +1,13 @@
 """DFlash2 draft (and plain DFlash via the dflash_* flavors); registers ModelSpec ``dflash2``."""
 
-from models.dflash2.args import DFlash2Args, capture_layers, dflash2_flavors
+from models.dflash2.args import (
+    DFlash2Args,
+    capture_layers,
+    dflash2_flavors,
+    reserved_tokens,
+    resolved_capture_layers,
+    update_dflash2_args,
+)
 from models.dflash2.export import dflash2_from_export, export_dflash2
 from models.dflash2.flops import dflash2_flops
 from models.dflash2.model import DFlash2Draft
@@ -14,7 +21,9 @@ register_model_spec(
         flavors=dflash2_flavors,
         model_cls=DFlash2Draft,
         parallelize_fn=parallelize_dflash2,
-        capture_layers_fn=capture_layers,
+        update_args_fn=update_dflash2_args,
+        capture_layers_fn=resolved_capture_layers,
+        reserved_tokens_fn=reserved_tokens,
         export_fn=export_dflash2,
         flops_fn=dflash2_flops,
         needs_last_hidden=False,

@@ -80,6 +80,50 @@ class DFlash2Args(DecoderArgs):
         return self.conv_enabled or self.selector_enabled
 
 
+# Follow the target unless [model.args] sets them: the draft rotates positions as the target
+# does, is served up to the target's context length, and normalizes with the target's epsilon.
+_FROM_TARGET = ("rope_theta", "max_position_embeddings", "rms_norm_eps")
+
+
+def update_dflash2_args(args: DFlash2Args, ctx) -> DFlash2Args:
+    """The ModelSpec's ``update_args_fn``: target facts, capture layers, mask token, static
+    anchors (``ctx`` is an :class:`~titan_draft.protocols.ArgsContext`)."""
+    t = ctx.target
+    if args.hidden_size != t.hidden_size:
+        fits = sorted(name for name, f in dflash2_flavors.items() if f.hidden_size == t.hidden_size)
+        hint = f"; flavors of this width: {fits}" if fits else "; set model.args.hidden_size and the head sizes"
+        raise ValueError(
+            f"model: draft hidden_size {args.hidden_size} != target hidden_size {t.hidden_size} (the draft "
+            f"embeds and predicts through the target's tables, so they must match){hint}"
+        )
+    layer_ids = list(ctx.job.target.capture_layers) or capture_layers(args, t.num_hidden_layers)
+    bad = [i for i in layer_ids if not 0 <= i < t.num_hidden_layers]
+    if bad:
+        raise ValueError(f"target.capture_layers: ids {bad} are outside the target's {t.num_hidden_layers} layers")
+    resolved = {k: getattr(t, k) for k in _FROM_TARGET if k not in ctx.overrides}
+    if "mask_token_id" not in ctx.overrides:
+        resolved["mask_token_id"] = ctx.tokenizer.unused_token_id(t.vocab_size)
+    return replace(
+        args,
+        **resolved,
+        target_layer_ids=layer_ids,
+        num_target_layers=t.num_hidden_layers,
+        vocab_size=t.vocab_size,
+        target_hidden_size=t.hidden_size,
+        static_anchors=ctx.job.training.static_shapes,
+    )
+
+
+def resolved_capture_layers(args: DFlash2Args) -> list[int]:
+    """The ModelSpec's ``capture_layers_fn``."""
+    return list(args.target_layer_ids)
+
+
+def reserved_tokens(args: DFlash2Args) -> list[int]:
+    """The mask token: the data must never hold it (the draft reads it as "predict me")."""
+    return [args.mask_token_id]
+
+
 def capture_layers(args: DFlash2Args, num_target_layers: int) -> list[int]:
     """Capture layer ids for a target with ``num_target_layers`` layers.
 

@@ -5,7 +5,9 @@ as the assistant, so the mask must cover exactly the assistant's tokens. We rend
 conversation as one string and tokenize it in one call (so BPE merges are the ones an HF
 tokenizer gives for that string, which is what the server will see), and then map every token
 back to the byte span it came from. A token is trained on iff its first byte lies inside an
-assistant span; no prefix re-encoding tricks, no regex over decoded text.
+assistant span; no prefix re-encoding tricks, no regex over decoded text. Token starts come from
+the tokenizer (``encode_with_offsets``), not from adding up token lengths, which would shift the
+mask after a byte the BPE drops.
 
 Formats (each renders what the model's official Jinja chat template renders for the same
 messages, without tools):
@@ -34,7 +36,6 @@ model emits in these formats) and trained on like the rest of the answer.
 
 from __future__ import annotations
 
-import itertools
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from titan_draft.data.tokenizer import Tokenizer
@@ -277,11 +278,10 @@ def render_chat(
     if last_turn_only and spans:
         spans = [span for span in spans if span[2] == spans[-1][2]]
     text = rendered.text
-    ids = tokenizer.encode(text, allow_special=True)
-    # Start byte of each token: the token bytes tile the UTF-8 text, so a running sum of their
-    # lengths is each token's offset.
-    starts = list(itertools.accumulate((len(b) for b in tokenizer.token_bytes(ids)), initial=0))
+    # The tokenizer says where each token starts: a running sum of token lengths would drift
+    # after a byte the BPE drops (SmolLM2 has no token for some control bytes).
+    ids, starts = tokenizer.encode_with_offsets(text, allow_special=True)
     if starts[-1] != len(text.encode("utf-8")):
         # Only possible if encode() changed the text (normalization); the mask would be shifted.
-        raise RuntimeError("chat template: token bytes do not cover the rendered text")
+        raise RuntimeError("chat template: the tokenizer encoded a different text than rendered")
     return ids, _mask_of(starts[:-1], spans)

@@ -10,10 +10,10 @@ regex and a merge order. tiktoken uses the id as the rank and, inside each regex
 adjacent pair whose concatenation has the lowest rank; HF merges the pair listed first in
 ``merges``. They agree when merge order is id order and every token is built by the merges, which
 holds for BPE trained by ``tokenizers`` and for files converted from tiktoken ranks (Qwen,
-Llama-3); both are checked here, along with everything tiktoken would silently do differently (a
-missing byte, an id given to two tokens, a regex that drops text). What no cheap check proves
-(tiktoken also merges a pair that spells a token when no merge lists that pair) is covered by the
-parity tests against HF ``tokenizers``.
+Llama-3); both are checked here, along with everything tiktoken would silently do differently (an
+id given to two tokens, a regex that drops text) or panic on (a byte without a token, below).
+What no cheap check proves (tiktoken also merges a pair that spells a token when no merge lists
+that pair) is covered by the parity tests against HF ``tokenizers``.
 
 ``ignore_merges``: tiktoken always looks a whole regex piece up in its ranks before merging, which
 is HF's ``ignore_merges=true`` (Llama-3 sets it to match tiktoken). With ``false`` (Qwen, trained
@@ -25,6 +25,14 @@ them in the raw text before the normalizer and BPE run; all of them, special or 
 tiktoken special tokens. Post-processors (Llama-3's BOS) are ignored: chat templates write BOS.
 Known gap: an added token marked ``normalized: true`` is matched in the raw text here, in the
 normalized text by HF; they differ only if NFC changes the characters around it.
+
+Bytes without a token (SmolLM2 has none for 0x04, 0xf1 and 19 others): HF's BPE with neither
+``unk_token`` nor ``byte_fallback`` skips such a byte inside its piece and merges the rest of the
+piece as usual, so the text still encodes, minus those bytes. tiktoken panics on them instead, so
+such a table is accepted only where HF drops (``TokenizerFiles.missing_bytes``) and the encoding
+is then used through ``dropped_bytes``, which drops them as HF does. Refused instead: a BPE with
+an ``unk_token`` (HF emits the unk id there, and a symbol that blocks merges; no supported model
+needs it) and a ``.tiktoken`` file (it does not say what its HF tokenizer does with such bytes).
 """
 
 from __future__ import annotations
@@ -38,18 +46,30 @@ import json
 import tiktoken
 
 __all__ = [
+    "GPT2_DIGITS_PAT",
+    "GPT2_DIGIT_RUNS_PAT",
     "GPT2_PAT",
     "LLAMA3_PAT",
     "QWEN_PAT",
     "TokenizerFiles",
     "build_encoding",
     "bytes_to_unicode",
+    "check_ranks",
     "load_tiktoken_ranks",
+    "missing_bytes",
     "to_byte_level",
 ]
 
 # The regex HF's ByteLevel pre-tokenizer applies with use_regex=true (GPT-2's).
 GPT2_PAT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# HF's Sequence[Digits(individual_digits=true), ByteLevel(use_regex=true)] (SmolLM2) as one regex,
+# and with individual_digits=false (runs of digits); hf_tokenizer_pretok's docstring derives them.
+GPT2_DIGITS_PAT = (
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
+)
+GPT2_DIGIT_RUNS_PAT = (
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
+)
 # Llama-3.x: numbers in groups of up to three digits.
 LLAMA3_PAT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -116,6 +136,10 @@ class TokenizerFiles:
         pat_str: the pre-tokenizer regex.
         normalizer: ``"NFC"`` or None.
         bos_token, eos_token, pad_token: as tokenizer_config.json names them (None if absent).
+        missing_bytes: the bytes (ascending) that have no single-byte token; non-empty only where
+            HF drops them from the text (a BPE without unk_token and byte_fallback).
+        chat_template: the Jinja chat template the folder ships (None if none); carried, never
+            rendered here.
     """
 
     source: str
@@ -127,6 +151,8 @@ class TokenizerFiles:
     bos_token: str | None = None
     eos_token: str | None = None
     pad_token: str | None = None
+    missing_bytes: bytes = b""
+    chat_template: str | None = None
 
 
 def _read_json(path: str) -> dict:
@@ -185,16 +211,26 @@ def check_unique_ids(where: str, ids: dict) -> None:
         seen[i] = token
 
 
-def _check_ranks(source: str, ranks: dict[bytes, int]) -> None:
-    # tiktoken panics (not a Python error) on duplicate ids, and on text with a byte it has no
-    # token for; HF would drop such a byte silently. Both are refused here instead.
+def missing_bytes(ranks: dict[bytes, int]) -> bytes:
+    """The bytes (ascending) that ``ranks`` has no single-byte token for."""
+    return bytes(b for b in range(256) if bytes([b]) not in ranks)
+
+
+def check_ranks(source: str, ranks: dict[bytes, int], *, allow_missing: bool = False) -> bytes:
+    """Checks ``ranks`` as tiktoken needs them; returns the bytes without a single-byte token.
+
+    Missing bytes are refused unless ``allow_missing`` (the caller has seen that HF drops them
+    and encodes through ``dropped_bytes``): tiktoken panics, not a Python error, on text with
+    such a byte. A shared id would make tiktoken panic too.
+    """
     check_unique_ids(f"{source}: the ranks table", ranks)
-    missing = [b for b in range(256) if bytes([b]) not in ranks]
-    if missing:
+    missing = missing_bytes(ranks)
+    if missing and not allow_missing:
         raise ValueError(
             f"{source}: no single-byte token for {len(missing)} of the 256 bytes (e.g. "
-            f"{bytes([missing[0]])!r}); a byte-level BPE needs all of them to encode any text"
+            f"{missing[:1]!r}); a byte-level BPE needs all of them to encode any text"
         )
+    return missing
 
 
 def _check_specials_vs_ranks(
@@ -224,7 +260,10 @@ def build_encoding(files: TokenizerFiles, name: str) -> tiktoken.Encoding:
             f"{files.source}: pre-tokenizer regex {files.pat_str!r} does not compile for "
             f"tiktoken: {e}"
         ) from None
-    if encoding.decode_bytes(encoding.encode_ordinary(_PROBE)) != _PROBE.encode("utf-8"):
+    # Characters with a byte the BPE lacks would make tiktoken panic here; the regex is about
+    # character classes, which the rest of the probe still covers.
+    probe = "".join(c for c in _PROBE if not set(c.encode("utf-8")) & set(files.missing_bytes))
+    if encoding.decode_bytes(encoding.encode_ordinary(probe)) != probe.encode("utf-8"):
         raise ValueError(
             f"{files.source}: pre-tokenizer regex {files.pat_str!r} does not match all text "
             "(tiktoken drops what it does not match, HF keeps it), so the two would differ"

@@ -1,7 +1,8 @@
 """Reading HF tokenizer files into :class:`~titan_draft.data.hf_tokenizer.TokenizerFiles`.
 
 A folder's ``tokenizer.json`` (vocabulary, merges, pre-tokenizer, normalizer, added tokens), its
-``tokenizer_config.json`` (more added tokens, bos/eos/pad names) or a tiktoken ranks file. Every
+``tokenizer_config.json`` (more added tokens, bos/eos/pad names, chat template) or a tiktoken ranks
+file; ``hf_tokenizer_pretok`` turns the normalizer and pre-tokenizer into tiktoken's terms. Every
 layout whose ids tiktoken could not reproduce is refused with a ValueError naming the file and
 what is wrong; why the translation holds is in ``hf_tokenizer``'s module docstring.
 """
@@ -14,89 +15,24 @@ import os
 
 from titan_draft.data.hf_tokenizer import (
     _TIKTOKEN_FAMILIES,
-    GPT2_PAT,
     TokenizerFiles,
-    _check_ranks,
     _check_specials_vs_ranks,
     _from_byte_level_table,
     _read_json,
     bytes_to_unicode,
+    check_ranks,
     check_unique_ids,
     load_tiktoken_ranks,
 )
-
-__all__ = ["find_tokenizer_files", "hf_added_token_ids", "load_tokenizer_files"]
-
-
-def _describe(component: dict | None) -> str:
-    if component is None:
-        return "null"
-    kind = component.get("type")
-    inner = component.get("pretokenizers") or component.get("normalizers")
-    if kind == "Sequence" and isinstance(inner, list):
-        return "Sequence[" + ", ".join(_describe(c) for c in inner) + "]"
-    return str(kind)
-
-
-_SENTENCEPIECE_HINT = (
-    "not a byte-level BPE (this looks like a SentencePiece-style tokenizer, e.g. Llama-2 or "
-    "Mistral); only byte-level BPE tokenizers (Qwen2/3, Llama-3, GPT-2 style) are supported"
+from titan_draft.data.hf_tokenizer_pretok import (
+    SENTENCEPIECE_HINT,
+    normalizer_name,
+    pre_tokenizer_pattern,
 )
 
-
-def _check_byte_level_step(path: str, step: dict, where: str) -> None:
-    if step.get("add_prefix_space"):
-        raise ValueError(
-            f"{path}: {where}.add_prefix_space is true (HF then prepends a space to every text "
-            "segment); not supported"
-        )
-
-
-def _pre_tokenizer_pattern(path: str, pre: dict | None) -> str:
-    """The single regex that splits text into BPE pieces, from the supported layouts."""
-    kinds = _describe(pre)
-    if pre is None or "Metaspace" in kinds:
-        raise ValueError(f"{path}: pre_tokenizer is {kinds}: {_SENTENCEPIECE_HINT}")
-    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
-        _check_byte_level_step(path, pre, "pre_tokenizer")
-        return GPT2_PAT
-    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else None
-    if steps and len(steps) == 2 and kinds == "Sequence[Split, ByteLevel]":
-        split, byte_level = steps
-        _check_byte_level_step(path, byte_level, "pre_tokenizer.pretokenizers[1]")
-        pattern = split.get("pattern")
-        regex = pattern.get("Regex") if isinstance(pattern, dict) else None
-        if (
-            isinstance(regex, str)
-            and split.get("behavior") == "Isolated"
-            and not split.get("invert", False)
-            and not byte_level.get("use_regex", True)
-        ):
-            return regex
-        raise ValueError(
-            f"{path}: pre_tokenizer Sequence[Split, ByteLevel] must be Split(pattern={{'Regex': "
-            "...}, behavior='Isolated', invert=false) then ByteLevel(use_regex=false); got "
-            f"Split(pattern={pattern!r}, behavior={split.get('behavior')!r}, "
-            f"invert={split.get('invert')!r}), "
-            f"ByteLevel(use_regex={byte_level.get('use_regex', True)!r})"
-        )
-    raise ValueError(
-        f"{path}: unsupported pre_tokenizer {kinds}; supported: ByteLevel(use_regex=true) or "
-        "Sequence[Split(Regex, Isolated), ByteLevel(use_regex=false)]"
-    )
-
-
-def _normalizer(path: str, norm: dict | None) -> str | None:
-    if norm is None:
-        return None
-    kinds = [norm.get("type")]
-    if kinds == ["Sequence"]:
-        kinds = [n.get("type") for n in norm.get("normalizers") or []]
-    if not kinds:
-        return None
-    if kinds == ["NFC"]:
-        return "NFC"
-    raise ValueError(f"{path}: unsupported normalizer {_describe(norm)}; supported: null or NFC")
+__all__ = [
+    "chat_template_path", "find_tokenizer_files", "hf_added_token_ids", "load_tokenizer_files"
+]
 
 
 def _added_token(path: str, where: str, entry: dict) -> tuple[str, bool]:
@@ -156,12 +92,12 @@ def _read_tokenizer_json(path: str) -> TokenizerFiles:
             "(Qwen2/3, Llama-3, GPT-2 style) are supported"
         )
     if model.get("byte_fallback"):
-        raise ValueError(f"{path}: model.byte_fallback is true: {_SENTENCEPIECE_HINT}")
+        raise ValueError(f"{path}: model.byte_fallback is true: {SENTENCEPIECE_HINT}")
     for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):
         if model.get(key):
             raise ValueError(f"{path}: model.{key} is {model[key]!r}; not supported")
-    pat_str = _pre_tokenizer_pattern(path, data.get("pre_tokenizer"))
-    normalizer = _normalizer(path, data.get("normalizer"))
+    pat_str = pre_tokenizer_pattern(path, data.get("pre_tokenizer"))
+    normalizer = normalizer_name(path, data.get("normalizer"))
 
     vocab = model.get("vocab")
     if not isinstance(vocab, dict) or not vocab:
@@ -178,7 +114,7 @@ def _read_tokenizer_json(path: str) -> TokenizerFiles:
         if s not in claimed and not alphabet.issuperset(s):
             raise ValueError(
                 f"{path}: model.vocab entry {s!r} is not written in the byte-level alphabet: "
-                f"{_SENTENCEPIECE_HINT}"
+                f"{SENTENCEPIECE_HINT}"
             )
     merged = _check_merges(path, vocab, model.get("merges") or [])
 
@@ -198,7 +134,14 @@ def _read_tokenizer_json(path: str) -> TokenizerFiles:
                 "that spell it, so the two would tokenize differently"
             )
         ranks[s.translate(table).encode("latin-1")] = i
-    _check_ranks(path, ranks)
+    unk = model.get("unk_token")
+    missing = check_ranks(path, ranks, allow_missing=True)  # HF skips them, unless unk below
+    if missing and unk is not None:
+        raise ValueError(
+            f"{path}: no single-byte token for {len(missing)} of the 256 bytes (e.g. "
+            f"{missing[:1]!r}) and model.unk_token is {unk!r}: HF encodes those bytes as the unk "
+            "token, which is not supported (without an unk_token HF drops them, which is)"
+        )
 
     specials: dict[str, int] = {}
     non_special: set[str] = set()
@@ -220,6 +163,7 @@ def _read_tokenizer_json(path: str) -> TokenizerFiles:
         non_special_tokens=frozenset(non_special),
         pat_str=pat_str,
         normalizer=normalizer,
+        missing_bytes=missing,
     )
 
 
@@ -253,8 +197,42 @@ def _check_merges(path: str, vocab: dict[str, int], merges: list) -> set[str]:
     return results
 
 
+def _config_chat_template(path: str, value: object) -> str | None:
+    # transformers writes one template as a string and several as [{"name", "template"}], of
+    # which it applies "default" unless asked for another by name.
+    if value is None or isinstance(value, str):
+        return value
+    entries = value if isinstance(value, list) else None
+    if entries is not None and all(
+        isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("template"), str)
+        for e in entries
+    ):
+        return {e["name"]: e["template"] for e in entries}.get("default")
+    raise ValueError(
+        f"{path}: chat_template is neither a string nor a list of {{'name': ..., 'template': ...}}"
+    )
+
+
+def chat_template_path(bpe_path: str) -> str | None:
+    """The ``chat_template.jinja`` beside ``bpe_path`` if there is one. transformers >= 4.47 saves
+    the template there instead of in tokenizer_config.json and prefers it when loading."""
+    path = os.path.join(os.path.dirname(bpe_path), "chat_template.jinja")
+    return path if os.path.isfile(path) else None
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not valid UTF-8: {e}") from None
+
+
 def _read_tokenizer_config(path: str, specials: dict[str, int], non_special: set[str]) -> dict:
-    """Adds tokenizer_config.json's added tokens to ``specials``; returns its bos/eos/pad names."""
+    """Adds tokenizer_config.json's added tokens to ``specials``; returns its bos/eos/pad names
+    and chat template as TokenizerFiles fields."""
     cfg = _read_json(path)
     decoder = cfg.get("added_tokens_decoder") or {}
     for key, entry in decoder.items():
@@ -274,6 +252,7 @@ def _read_tokenizer_config(path: str, specials: dict[str, int], non_special: set
         if value is not None and value not in specials:
             raise ValueError(f"{path}: {key} {value!r} is not one of the added tokens")
         names[key] = value
+    names["chat_template"] = _config_chat_template(path, cfg.get("chat_template"))
     return names
 
 
@@ -306,16 +285,17 @@ def load_tokenizer_files(path: str) -> TokenizerFiles:
     """Read a tokenizer from an HF folder, a ``tokenizer.json`` or a tiktoken ranks file.
 
     Files are found as ``find_tokenizer_files`` says. ``tokenizer_config.json`` adds its added
-    tokens and the bos/eos/pad names; a ranks file needs it (special tokens live only there) and
-    must be of a family whose regex we know (Qwen2/2.5/3 or Llama-3.x, told apart by rank count).
-    Raises ValueError naming the file and the problem.
+    tokens, the bos/eos/pad names and the chat template (a ``chat_template.jinja`` beside it wins,
+    as in transformers); a ranks file needs it (special tokens live only there) and must be of a
+    family whose regex we know (Qwen2/2.5/3 or Llama-3.x, told apart by rank count). Raises
+    ValueError naming the file and the problem.
     """
     bpe_path, cfg_path = find_tokenizer_files(path)
     if bpe_path.endswith(".json"):
         files = _read_tokenizer_json(bpe_path)
     else:
         ranks = load_tiktoken_ranks(bpe_path)
-        _check_ranks(bpe_path, ranks)
+        check_ranks(bpe_path, ranks)
         family = _TIKTOKEN_FAMILIES.get(len(ranks))
         if family is None:
             known = ", ".join(f"{name}: {n}" for n, (name, _, _) in _TIKTOKEN_FAMILIES.items())
@@ -332,5 +312,8 @@ def load_tokenizer_files(path: str) -> TokenizerFiles:
         files = TokenizerFiles(bpe_path, ranks, {}, frozenset(), pat_str, normalizer)
     non_special = set(files.non_special_tokens)
     names = _read_tokenizer_config(cfg_path, files.special_tokens, non_special) if cfg_path else {}
+    jinja = chat_template_path(bpe_path)
+    if jinja is not None:
+        names["chat_template"] = _read_text(jinja)
     _check_specials_vs_ranks(files.source, files.ranks, files.special_tokens)
     return dataclasses.replace(files, non_special_tokens=frozenset(non_special), **names)

@@ -76,7 +76,10 @@ def save_hf_tokenizer(
     Split(regex) + ByteLevel(use_regex=false), the normalizer NFC if the tokenizer has one, every
     special token an added token (``special`` false for ``tokenizer.non_special_tokens``). No
     post-processor adds BOS/EOS: chat templates write them. ``build_tokenizer(folder)`` gives back
-    the same encoding, and HF ``tokenizers`` gives the same ids (tested).
+    the same encoding, and HF ``tokenizers`` gives the same ids (tested); a BPE without some
+    single-byte tokens is written without an unk_token, so HF drops those bytes as we do.
+    ``chat_template`` (None: the tokenizer's own, ``tokenizer.chat_template``, if it has one) goes
+    into tokenizer_config.json, where transformers and SGLang read it.
     """
     encoding = tokenizer.encoding
     merges = derive_merges(encoding)
@@ -169,6 +172,8 @@ def save_hf_tokenizer(
         else "PreTrainedTokenizerFast",
         "unk_token": None,
     }
+    if chat_template is None:
+        chat_template = tokenizer.chat_template
     if chat_template is not None:
         config["chat_template"] = chat_template
     os.makedirs(folder, exist_ok=True)

@@ -156,6 +156,7 @@ def build_dataloader(
     seed: int,
     static_shapes: bool,
     pad_multiple: int = 1,
+    reserved_ids: frozenset[int] = frozenset(),
 ) -> ChatDataLoader:
     """Build this DP rank's dataloader from the ``[data]`` config section.
 
@@ -167,6 +168,7 @@ def build_dataloader(
         seed: shuffle seed (``training.seed``).
         static_shapes: pad every batch to ``data.max_length`` (``training.static_shapes``).
         pad_multiple: without static shapes, round the batch length up to this multiple.
+        reserved_ids: token ids the draft reserves; conversation rows holding one are skipped.
 
     Raises:
         ValueError: naming the config key, for a missing or empty source, an unknown template
@@ -194,7 +196,7 @@ def build_dataloader(
         source = build_synthetic_source(data_cfg, dp_rank=dp_rank, dp_world=dp_world, seed=seed)
     else:
         source = _chat_source(data_cfg, tokenizer, template, dp_rank=dp_rank, dp_world=dp_world, seed=seed,
-                              static_shapes=static_shapes)
+                              static_shapes=static_shapes, reserved_ids=reserved_ids)
     node: tn.BaseNode = tn.Batcher(source, batch_size=local_batch_size, drop_last=True)
     collate = _Collate(
         pad_id=tokenizer.pad_id,
@@ -210,7 +212,7 @@ def build_dataloader(
 
 
 def _chat_source(data_cfg: Any, tokenizer: Tokenizer, template: str, *, dp_rank: int, dp_world: int, seed: int,
-                 static_shapes: bool) -> ChatSourceNode:
+                 static_shapes: bool, reserved_ids: frozenset[int]) -> ChatSourceNode:
     """This DP rank's conversations of ``data.source``, rendered with ``template``."""
     rows, total = load_rows(
         data_cfg.source, max_rows=data_cfg.max_rows, dp_rank=dp_rank, dp_world=dp_world,
@@ -242,4 +244,5 @@ def _chat_source(data_cfg: Any, tokenizer: Tokenizer, template: str, *, dp_rank:
         shuffle=data_cfg.shuffle,
         enable_thinking=data_cfg.enable_thinking,
         last_turn_only=data_cfg.last_turn_only,
+        reserved_ids=reserved_ids,
     )

@@ -56,6 +56,8 @@ class ChatSourceNode(tn.BaseNode[Sample]):
         max_length: tokens kept per sample (longer samples are truncated).
         seed: shuffle seed (``training.seed``).
         shuffle: permute the rows each epoch; otherwise read them in source order.
+        reserved_ids: token ids a usable row must not contain (a draft's mask token: a real
+            special token where the target has no spare embedding row).
 
     Unusable rows are skipped and counted per reason; the counts are cumulative over epochs (a
     bad row is counted again each time it comes round).
@@ -73,8 +75,10 @@ class ChatSourceNode(tn.BaseNode[Sample]):
         shuffle: bool,
         enable_thinking: bool = True,
         last_turn_only: bool = False,
+        reserved_ids: frozenset[int] = frozenset(),
     ):
         super().__init__()
+        self.reserved_ids = frozenset(reserved_ids)
         self.rows = rows
         self.tokenizer = tokenizer
         self.template = template
@@ -125,6 +129,8 @@ class ChatSourceNode(tn.BaseNode[Sample]):
             enable_thinking=self.enable_thinking,
             last_turn_only=self.last_turn_only,
         )
+        if not self.reserved_ids.isdisjoint(ids):
+            return "reserved_token"
         ids, mask = ids[: self.max_length], mask[: self.max_length]
         if not any(mask):
             return "no_loss_tokens"

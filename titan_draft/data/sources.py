@@ -50,6 +50,7 @@ SKIP_REASONS = (
     "consecutive_same_role",  # two user or two assistant turns in a row: turns went missing
     "no_assistant_turn",  # no assistant turn answering a user turn
     "no_loss_tokens",  # set by the pipeline: the mask did not survive truncation
+    "reserved_token",  # set by the pipeline: the row holds a token the draft reserves (its mask token)
 )
 
 # Speaker names seen in ShareGPT dumps and OpenAI-style data, lower-cased.

@@ -6,22 +6,32 @@ target's, byte for byte. ``build_tokenizer`` takes a built-in name (``"qwen3"``:
 target's own HF tokenizer files (folder, ``tokenizer.json`` or ``.tiktoken``; read by
 ``hf_tokenizer_files``, translated as ``hf_tokenizer`` explains), and gives the same ids as the
 HF tokenizer with only tiktoken at run time.
+
+A BPE that lacks some single-byte tokens (SmolLM2) is encoded through ``dropped_bytes``, which
+drops those bytes as HF does; token bytes then no longer tile the text, which is why
+``encode_with_offsets`` gives each token's position instead of leaving callers to add up lengths.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.resources
+import itertools
 import os
 import re
 import unicodedata
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import tiktoken
 import tiktoken.load
 
-from titan_draft.data.hf_tokenizer import QWEN_PAT, TokenizerFiles, build_encoding
-from titan_draft.data.hf_tokenizer_files import find_tokenizer_files, load_tokenizer_files
+from titan_draft.data.dropped_bytes import ByteDroppingEncoder, token_lengths
+from titan_draft.data.hf_tokenizer import QWEN_PAT, TokenizerFiles, build_encoding, missing_bytes
+from titan_draft.data.hf_tokenizer_files import (
+    chat_template_path,
+    find_tokenizer_files,
+    load_tokenizer_files,
+)
 from titan_draft.data.hf_tokenizer_save import save_hf_tokenizer
 
 __all__ = ["Tokenizer", "build_tokenizer", "save_hf_tokenizer", "SUPPORTED_TOKENIZERS"]
@@ -96,6 +106,11 @@ class Tokenizer:
         bos_token, eos_token: as the target's tokenizer_config names them (None if it has none).
         non_special_tokens: added tokens that HF marks ``special: false`` (Qwen3's ``<think>``):
             matched in text like the others; only ``save_hf_tokenizer`` tells them apart.
+        missing_bytes: the bytes the encoding has no single-byte token for, which ``encode``
+            drops as HF's BPE without unk_token does (SmolLM2). It must name exactly the
+            encoding's missing bytes, so an encoding that lacks some is never used by accident.
+        chat_template: the target's own Jinja chat template (tokenizer_config.json's), carried
+            for ``save_hf_tokenizer``; ``render_chat`` renders formats in code and never reads it.
     """
 
     def __init__(
@@ -108,11 +123,24 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         non_special_tokens: Iterable[str] = (),
+        missing_bytes: bytes = b"",
+        chat_template: str | None = None,
     ):
         if normalizer not in ("NFC", None):
             raise ValueError(f"tokenizer {name!r}: normalizer {normalizer!r} is not 'NFC' or None")
+        lacking = _missing_bytes(encoding)
+        if bytes(sorted(set(missing_bytes))) != lacking:
+            raise ValueError(
+                f"tokenizer {name!r}: its encoding has no single-byte token for {lacking!r}, but "
+                f"missing_bytes is {bytes(missing_bytes)!r} (tiktoken panics on a byte it lacks)"
+            )
         self.name = name
         self.encoding = encoding
+        self.missing_bytes = lacking
+        self.chat_template = chat_template
+        # Bound once: the encoding's own method unless bytes are missing (no per-call test).
+        self._dropper = ByteDroppingEncoder(encoding, lacking) if lacking else None
+        self._encode_ordinary = self._dropper.encode if self._dropper else encoding.encode_ordinary
         self.n_vocab: int = encoding.n_vocab
         self.normalizer = normalizer
         self.special_tokens: dict[str, int] = {
@@ -145,27 +173,79 @@ class Tokenizer:
         become their ids and the text between them is normalized (NFC for Qwen: decomposed accents
         would otherwise give different ids than the server sees); without it the whole text is
         normalized and encoded as ordinary text, never an error. No BOS is added (Llama-3's HF
-        post-processor would): chat templates write it.
+        post-processor would): chat templates write it. Bytes in ``missing_bytes`` are dropped.
         """
+        encode_ordinary = self._encode_ordinary
         if not allow_special or self._special_re is None:
-            return self.encoding.encode_ordinary(self.normalize(text))
+            return encode_ordinary(self.normalize(text))
         ids: list[int] = []
+        for segment, special_id in self._segments(text):
+            if special_id is None:
+                ids += encode_ordinary(segment)
+            else:
+                ids.append(special_id)
+        return ids
+
+    def encode_with_offsets(
+        self, text: str, *, allow_special: bool = True
+    ) -> tuple[list[int], list[int]]:
+        """``(ids, offsets)``: ``encode``'s ids and where each token starts, in bytes.
+
+        ``offsets[i]`` is the byte offset of token ``i``'s first byte in the UTF-8 of the text as
+        encoded (normalized between added tokens: the text itself when normalizing leaves it
+        unchanged); ``offsets[-1]``, one past the tokens, is that UTF-8's length. Without missing
+        bytes the token bytes tile the text, so offsets are running sums of their lengths; with
+        them a dropped byte leaves a gap (or sits inside a token merged across it), and the
+        offsets still point at the token's real first byte.
+        """
+        segments = (
+            self._segments(text)
+            if allow_special and self._special_re is not None
+            else [(self.normalize(text), None)]
+        )
+        ids: list[int] = []
+        offsets: list[int] = []
+        pos = 0
+        for segment, special_id in segments:
+            if special_id is not None:
+                ids.append(special_id)
+                offsets.append(pos)
+                pos += len(segment.encode("utf-8"))
+                continue
+            if self._dropper is not None:
+                seg_ids, starts, n_bytes = self._dropper.encode_with_offsets(segment)
+            else:
+                seg_ids = self.encoding.encode_ordinary(segment)
+                lengths = map(token_lengths(self.encoding).__getitem__, seg_ids)
+                starts = list(itertools.accumulate(lengths, initial=0))
+                n_bytes = starts.pop()
+            ids += seg_ids
+            offsets += [pos + start for start in starts]
+            pos += n_bytes
+        offsets.append(pos)
+        return ids, offsets
+
+    def _segments(self, text: str) -> Iterator[tuple[str, int | None]]:
+        """``(normalized text, None)`` and ``(added token, its id)`` in order of appearance.
+
+        HF finds added tokens in the raw text first and normalizes only the text between them.
+        """
         pos = 0
         for match in self._special_re.finditer(text):
             if match.start() > pos:
-                ids += self.encoding.encode_ordinary(self.normalize(text[pos : match.start()]))
-            ids.append(self.special_tokens[match.group()])
+                yield self.normalize(text[pos : match.start()]), None
+            yield match.group(), self.special_tokens[match.group()]
             pos = match.end()
         if pos < len(text):
-            ids += self.encoding.encode_ordinary(self.normalize(text[pos:]))
-        return ids
+            yield self.normalize(text[pos:]), None
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` (invalid UTF-8 from split multi-byte characters becomes U+FFFD)."""
         return self.encoding.decode(list(ids))
 
     def token_bytes(self, ids: list[int]) -> list[bytes]:
-        """The bytes of each token; their concatenation is the UTF-8 of the encoded text."""
+        """The bytes of each token; their concatenation is the UTF-8 of the encoded text, less
+        any ``missing_bytes`` (``encode_with_offsets`` says where each token starts)."""
         return self.encoding.decode_tokens_bytes(list(ids))
 
     def token_id(self, special: str) -> int:
@@ -198,6 +278,12 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(name={self.name!r}, n_vocab={self.n_vocab}, pad_id={self.pad_id})"
+
+
+def _missing_bytes(encoding: tiktoken.Encoding) -> bytes:
+    # tiktoken keeps no public accessor for its ranks; encode_single_token would also accept a
+    # one-byte special token, which the BPE still could not produce.
+    return missing_bytes(encoding._mergeable_ranks)
 
 
 def _default_pad(files: TokenizerFiles) -> str:
@@ -247,7 +333,7 @@ def build_tokenizer(spec: str = "qwen3") -> Tokenizer:
         )
     # Cached by the files actually read, so a folder and its tokenizer.json share one encoding.
     bpe_path, cfg_path = find_tokenizer_files(spec)
-    paths = [p for p in (bpe_path, cfg_path) if p]
+    paths = [p for p in (bpe_path, cfg_path, chat_template_path(bpe_path)) if p]
     stamp = tuple((p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths)
     encoding, files = _load_encoding(bpe_path, stamp)
     return Tokenizer(
@@ -258,4 +344,6 @@ def build_tokenizer(spec: str = "qwen3") -> Tokenizer:
         bos_token=files.bos_token,
         eos_token=files.eos_token,
         non_special_tokens=files.non_special_tokens,
+        missing_bytes=files.missing_bytes,
+        chat_template=files.chat_template,
     )

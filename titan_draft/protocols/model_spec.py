@@ -2,6 +2,13 @@
 
 The engine never imports a draft by name: ``get_model_spec(name)`` imports ``models.<name>``,
 whose ``__init__`` calls ``register_model_spec``. Out-of-tree drafts register themselves the same way.
+
+A draft is one folder that provides: flavors (named args dataclasses), ``update_args_fn`` (its
+args from the target, tokenizer and job), the model class (``DraftModel``: init, frozen tables,
+``TargetFeatures -> DraftOutput``), ``capture_layers_fn``, ``parallelize_fn`` (names its blocks
+for the shared compile/FSDP helper), ``export_fn`` / ``from_export_fn`` (serving contract both
+ways), ``build_proposer_fn`` (how it drafts during real speculative decoding), optionally
+``flops_fn`` (MFU) and ``reserved_tokens_fn``.
 """
 
 from __future__ import annotations
@@ -24,10 +31,29 @@ class DraftModel(Protocol):
         """Copy the target's frozen embedding and lm_head (kept out of state_dict)."""
 
     def set_train_progress(self, step: int, total_steps: int) -> None:
-        """Called before each optimizer step's forwards (warm-up ramps of auxiliary losses)."""
+        """Called before each optimizer step's forwards (warm-up ramps of auxiliary losses; a
+        draft without any implements it as a no-op)."""
 
     def forward(self, features, *, generator: torch.Generator | None = None):
         """TargetFeatures -> DraftOutput."""
+
+
+@dataclass
+class ArgsContext:
+    """What the engine knows when a draft resolves its args (torchtitan's ``update_from_config``)."""
+
+    target: Any
+    """The target's architecture args: ``num_hidden_layers``, ``hidden_size``, ``vocab_size``,
+    ``intermediate_size``, heads, ``head_dim``, ``rms_norm_eps``, ``rope_theta``,
+    ``max_position_embeddings``, ``tie_word_embeddings``."""
+    tokenizer: Any
+    """The target's ``Tokenizer`` (e.g. to choose a token the data never contains)."""
+    chat_template: str
+    """The chat format the job renders (resolved: 'chatml', 'qwen3', 'llama3')."""
+    job: Any
+    """The whole ``JobConfig`` (``target.capture_layers``, ``training.static_shapes``, ...)."""
+    overrides: frozenset[str]
+    """Arg names the user set under ``[model.args]``: a hook keeps those values as given."""
 
 
 @dataclass
@@ -38,14 +64,21 @@ class ModelSpec:
     model_cls: type[nn.Module]
     parallelize_fn: Callable[..., nn.Module]
     """(model, parallel_dims, job_config) -> model; float8 -> AC -> compile -> fully_shard."""
-    capture_layers_fn: Callable[[Any, int], list[int]]
-    """(model_args, num_target_layers) -> capture layer ids (SGLang convention)."""
+    update_args_fn: Callable[[Any, ArgsContext], Any]
+    """(flavor args with [model.args] applied, context) -> the args the draft is built with:
+    everything that depends on the target, its tokenizer or the job is resolved here."""
+    capture_layers_fn: Callable[[Any], list[int]]
+    """(resolved model_args) -> the target layer ids whose outputs the draft reads (SGLang
+    convention), in the order it concatenates them."""
     export_fn: Callable[[dict[str, torch.Tensor], Any, dict], tuple[dict[str, torch.Tensor], dict]]
     """(full draft state_dict, model_args, target_info) -> (serving tensors, config.json dict)."""
     flops_fn: Callable[[Any, int, int], float] | None = None
     """(model_args, batch_size, seq_len) -> model FLOPs of one training micro-step (fwd + bwd)."""
     needs_last_hidden: bool = False
     """Whether the draft consumes TargetFeatures.last_hidden."""
+    reserved_tokens_fn: Callable[[Any], list[int]] | None = None
+    """(resolved model_args) -> token ids the training data must never contain (e.g. a mask
+    token chosen among real tokens): rows holding one are skipped and counted."""
     build_proposer_fn: Callable[[nn.Module], Any] | None = None
     """(plain eval-mode draft with its frozen tables) -> a ``Proposer`` (protocols/proposer.py):
     how the draft drafts tokens during real speculative decoding (the true-τ eval)."""
