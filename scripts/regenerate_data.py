@@ -11,9 +11,9 @@ generation prompt and answered greedily or by sampling, batched with a left-padd
     torchrun --nproc_per_node 8 scripts/regenerate_data.py ...   (rank r answers prompts r, r + W, ...)
 
 ``--out`` becomes a folder that ``data.source`` reads: ``part-<rank>.jsonl`` files of ShareGPT
-rows (``source_row`` and ``finished`` kept beside the conversation) and ``meta/settings.json``
-with the target, sampling settings and counts. An interrupted run resumes: rows already in a
-part file are not answered again.
+rows in source order (``source_row`` and ``finished`` kept beside the conversation) and
+``meta/settings-<rank>.json`` with the target, sampling settings and counts. An interrupted run
+resumes: rows already in a part file are not answered again.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from titan_draft.components.target import load_target  # noqa: E402
 from titan_draft.data.chat_template import resolve_template  # noqa: E402
 from titan_draft.data.prompts import first_query, render_prompt, stop_token_ids  # noqa: E402
 from titan_draft.data.sources import load_rows  # noqa: E402
+from titan_draft.data.system_prompt import resolve_system_prompt  # noqa: E402
 from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
 
 
@@ -94,23 +95,34 @@ def _parse(argv):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per rank: seed + rank)")
     p.add_argument("--chat-template", default="auto")
-    p.add_argument("--system-prompt", default="", help="system turn for prompts without one")
+    p.add_argument("--system-prompt", default="auto",
+                   help="system turn for prompts without one ('auto': the target template's own, '': none)")
     p.add_argument("--enable-thinking", default="false", choices=["true", "false"], help="qwen3 only")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     return p.parse_args(argv)
 
 
-def _done_rows(path: str) -> set[int]:
-    if not os.path.isfile(path):
-        return set()
-    done = set()
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                done.add(int(json.loads(line)["source_row"]))
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut by the interruption; its row is answered again
-    return done
+def _rows_of(path: str) -> list[tuple[int, str]]:
+    """``(source_row, line)`` of every complete row of a part file (an interrupted run may have
+    cut its last line; that row is answered again)."""
+    rows = []
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rows.append((int(json.loads(line)["source_row"]), line if line.endswith("\n") else line + "\n"))
+                except (ValueError, KeyError, TypeError):
+                    continue
+    return rows
+
+
+def _rewrite(path: str, rows: list[tuple[int, str]]) -> None:
+    """``rows`` in source order, written aside and renamed (never half a file): the first rows of
+    the output are then the first rows of the source, so ``data.holdout_rows`` holds out a fair
+    sample rather than the shortest prompts, which are answered first."""
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(line for _, line in sorted(rows))
+    os.replace(path + ".tmp", path)
 
 
 def main(argv=None) -> None:
@@ -122,6 +134,7 @@ def main(argv=None) -> None:
     try:
         tokenizer = build_tokenizer(a.target)
         template = resolve_template(a.chat_template, tokenizer)
+        system_prompt = resolve_system_prompt(a.system_prompt, tokenizer, template)
         rows, total = load_rows(a.source, max_rows=a.num_prompts, skip_rows=a.skip_rows)
     except ValueError as e:
         raise SystemExit(f"regenerate_data: error: {e}") from None
@@ -130,14 +143,16 @@ def main(argv=None) -> None:
     thinking = a.enable_thinking == "true"
     os.makedirs(os.path.join(a.out, "meta"), exist_ok=True)
     part = os.path.join(a.out, f"part-{rank:05d}.jsonl")
-    done = _done_rows(part)
+    previous = _rows_of(part)
+    _rewrite(part, previous)  # drops a line an interruption cut, before appending
+    done = {row for row, _ in previous}
     todo, skipped = [], 0
     for i in range(rank, len(rows), world):
         turns = first_query(rows[i])
         if turns is None:
             skipped += 1
             continue
-        ids = render_prompt(turns, tokenizer, template, a.system_prompt, enable_thinking=thinking)
+        ids = render_prompt(turns, tokenizer, template, system_prompt, enable_thinking=thinking)
         if len(ids) > a.max_prompt_tokens:
             skipped += 1
         elif a.skip_rows + i not in done:
@@ -162,8 +177,9 @@ def main(argv=None) -> None:
             f.flush()
             print(f"rank {rank}: {s + len(chunk)}/{len(todo)} prompts answered "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
+    _rewrite(part, _rows_of(part))
     settings = {"target": os.path.abspath(a.target), "source": a.source, "skip_rows": a.skip_rows,
-                "rows_read": total, "chat_template": template, "system_prompt": a.system_prompt,
+                "rows_read": total, "chat_template": template, "system_prompt": system_prompt,
                 "enable_thinking": thinking, "max_new_tokens": a.max_new_tokens,
                 "max_prompt_tokens": a.max_prompt_tokens, "temperature": a.temperature, "top_p": a.top_p,
                 "seed": a.seed, "dtype": str(dtype).removeprefix("torch."), "world_size": world}

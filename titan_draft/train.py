@@ -31,6 +31,7 @@ from titan_draft.config import ConfigManager, validate_job_config, write_job_con
 from titan_draft.config.job_config import JobConfig
 from titan_draft.data.chat_template import resolve_template
 from titan_draft.data.pipeline import build_dataloader
+from titan_draft.data.system_prompt import resolve_system_prompt
 from titan_draft.distributed.parallelize import mixed_precision_dtypes, to_dtype
 from titan_draft.distributed.utils import (
     ParallelDims,
@@ -142,6 +143,7 @@ class Trainer:
                                    reserved_ids=self.reserved_tokens)
         self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device)) if on_gpu else None
 
+        template = resolve_template(cfg.data.chat_template, self.tokenizer)
         self.run_info = {
             "device": str(self.device),
             "backend": self.dist.backend,
@@ -150,8 +152,8 @@ class Trainer:
             "draft_trainable_params": n_params,
             "target": self.target.source,
             "tokenizer": self.tokenizer.name,
-            "chat_template": resolve_template(cfg.data.chat_template, self.tokenizer),
-            "system_prompt": cfg.data.system_prompt,
+            "chat_template": template,
+            "system_prompt": resolve_system_prompt(cfg.data.system_prompt, self.tokenizer, template),
             "enable_thinking": cfg.data.enable_thinking,
             "data_source": cfg.data.source,
             "holdout_rows": cfg.data.holdout_rows,

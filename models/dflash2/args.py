@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from models.common.args import DecoderArgs
+from titan_draft.data.chat_template import template_special_tokens
 
 
 @dataclass
@@ -102,7 +103,8 @@ def update_dflash2_args(args: DFlash2Args, ctx) -> DFlash2Args:
         raise ValueError(f"target.capture_layers: ids {bad} are outside the target's {t.num_hidden_layers} layers")
     resolved = {k: getattr(t, k) for k in _FROM_TARGET if k not in ctx.overrides}
     if "mask_token_id" not in ctx.overrides:
-        resolved["mask_token_id"] = ctx.tokenizer.unused_token_id(t.vocab_size)
+        resolved["mask_token_id"] = ctx.tokenizer.unused_token_id(
+            t.vocab_size, avoid=template_special_tokens(ctx.chat_template))
     return replace(
         args,
         **resolved,
@@ -180,9 +182,29 @@ _qwen3_8b = DFlash2Args(
     selector_top_k=16,
 )
 
+# SmolLM2-135M-Instruct's width and heads (the real target every machine can get from PyPI);
+# three layers capture [1, 14, 27] of its 30. rope_theta, max positions and eps follow the target.
+_smollm2 = DFlash2Args(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=3,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    block_size=16,
+    num_anchors=256,
+    loss_gamma=7.0,
+    conv_kernel_size=2,
+    conv_group_size=16,
+    selector_rank=128,
+    selector_top_k=16,
+)
+
 dflash2_flavors: dict[str, DFlash2Args] = {
     "debugmodel": _debug,
     "qwen3_8b": _qwen3_8b,
+    "smollm2": _smollm2,
+    "dflash_smollm2": replace(_smollm2, conv_enabled=False, selector_enabled=False),
     "dflash_debugmodel": replace(
         _debug, conv_enabled=False, selector_enabled=False, target_layer_ids=[]
     ),

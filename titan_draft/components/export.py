@@ -121,7 +121,8 @@ def export_draft(
     if not is_rank0:
         return None
     _check_names(state_dict.keys(), "the draft state dict")
-    tensors, config = export_fn(state_dict, model_args, target_info)
+    # cast first, so export_fn's config (torch_dtype) describes the tensors actually written
+    tensors, config = export_fn(_prepare_tensors(state_dict, torch_dtype), model_args, target_info)
     _check_names(tensors.keys(), "export_fn's tensors")
     tensors = _prepare_tensors(tensors, torch_dtype)
 

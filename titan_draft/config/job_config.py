@@ -82,8 +82,10 @@ class Data:
     """Shuffle rows each epoch with a seed derived from training.seed and the epoch."""
     prefetch_factor: int = 2
     """Batches prepared ahead of the training loop in a background thread (0: none)."""
-    system_prompt: str = ""
-    """System prompt prepended to conversations that have none (empty: none)."""
+    system_prompt: str = "auto"
+    """System prompt prepended to conversations that have none: 'auto' is the one the target's
+    own chat template adds (SmolLM2's "You are a helpful AI assistant named SmolLM, ..."; none
+    for Qwen3 and Llama-3), empty for none, any other text for that text."""
     holdout_rows: int = 0
     """Hold out the first N rows of data.source: training reads the rows after them, and the
     eval's 'holdout' prompts are their first user turns (the split is written to run_info.json)."""

@@ -41,7 +41,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 from titan_draft.data.tokenizer import Tokenizer
 
 __all__ = [
-    "ROLES", "SUPPORTED_TEMPLATES", "Turn", "check_template", "render_chat", "resolve_template"]
+    "ROLES", "SUPPORTED_TEMPLATES", "Turn", "check_template", "render_chat", "resolve_template",
+    "template_special_tokens"]
 
 ROLES = ("system", "user", "assistant")
 SUPPORTED_TEMPLATES = ("chatml", "qwen3", "llama3")
@@ -65,6 +66,12 @@ class Turn(NamedTuple):
     reasoning: Optional[str] = None
     """An assistant's separate reasoning (OpenAI-style ``reasoning_content``). None: not given,
     so Qwen3 looks for ``</think>`` in the content, as its template does."""
+
+
+def template_special_tokens(template: str) -> tuple[str, ...]:
+    """The special tokens format ``template`` writes (none of them can be a draft's mask token)."""
+    check_template(template)
+    return _SPECIAL_TOKENS[template]
 
 
 def check_template(template: str, tokenizer: Optional[Tokenizer] = None) -> None:

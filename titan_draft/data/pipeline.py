@@ -19,6 +19,7 @@ import torchdata.nodes as tn
 from titan_draft.data.chat_template import check_template, resolve_template
 from titan_draft.data.source_node import STATE_KEY, ChatSourceNode, Sample
 from titan_draft.data.sources import SKIP_REASONS, load_rows
+from titan_draft.data.system_prompt import resolve_system_prompt
 from titan_draft.data.tokenizer import Tokenizer
 
 __all__ = ["ChatDataLoader", "build_dataloader", "collate_chat"]
@@ -238,7 +239,7 @@ def _chat_source(data_cfg: Any, tokenizer: Tokenizer, template: str, *, dp_rank:
         rows,
         tokenizer,
         template=template,
-        system_prompt=data_cfg.system_prompt,
+        system_prompt=resolve_system_prompt(data_cfg.system_prompt, tokenizer, template),
         max_length=data_cfg.max_length,
         seed=seed,
         shuffle=data_cfg.shuffle,

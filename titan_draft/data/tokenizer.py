@@ -254,12 +254,19 @@ class Tokenizer:
             raise ValueError(f"tokenizer {self.name!r} has no special token {special!r}")
         return self.special_tokens[special]
 
-    def unused_token_id(self, vocab_size: int) -> int:
-        """An embedding row the tokenizer never emits for text, e.g. DFlash's mask token.
+    def unused_token_id(self, vocab_size: int, avoid: Iterable[str] = ()) -> int:
+        """An embedding row that ordinary text never encodes to, e.g. DFlash's mask token.
 
-        ``vocab_size`` is the target's embedding rows. If it exceeds ``n_vocab`` the first row past
-        the tokenizer (Qwen3: 151669 of 151936); else the lowest-id reserved special token such
-        as Llama-3's ``<|reserved_special_token_0|>`` (128002). Raises ValueError otherwise.
+        ``vocab_size`` is the target's embedding rows. In order of preference:
+        - the first row past the tokenizer, when the model has spare rows (Qwen3: 151669 of
+          151936): no text can ever produce it;
+        - the lowest-id reserved special token such as Llama-3's ``<|reserved_special_token_0|>``
+          (128002);
+        - else (every row is a real token, SmolLM2) the highest-id special token that is not in
+          ``avoid`` (the tokens the chat format writes) nor bos, eos or pad: SmolLM2's
+          ``<empty_output>`` (16). Text holding its literal string would encode to it, so the
+          data pipeline skips such rows (``reserved_token``) and counts them.
+        Raises ValueError when there is none.
         """
         if vocab_size < self.n_vocab:
             raise ValueError(
@@ -271,9 +278,13 @@ class Tokenizer:
         for token, tid in self.special_tokens.items():  # in id order
             if _RESERVED_TOKEN.fullmatch(token):
                 return tid
+        taken = {*avoid, self.bos_token, self.eos_token, self.pad_token}
+        spare = [tid for token, tid in self.special_tokens.items() if token not in taken]
+        if spare:
+            return max(spare)
         raise ValueError(
             f"tokenizer {self.name!r}: no unused token id: the model's {vocab_size} embedding rows "
-            "are all tokenizer ids and there is no <|reserved_special_token_N|>-style token"
+            "are all tokenizer ids, and every special token is reserved or written by the chat format"
         )
 
     def __repr__(self) -> str:
