@@ -99,6 +99,8 @@ def _parse(argv):
                    help="system turn for prompts without one ('auto': the target template's own, '': none)")
     p.add_argument("--enable-thinking", default="false", choices=["true", "false"], help="qwen3 only")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-seconds", type=float, default=0,
+                   help="start no new batch after this long (0: no limit); run again to continue")
     return p.parse_args(argv)
 
 
@@ -162,6 +164,10 @@ def main(argv=None) -> None:
     start, written, unfinished = time.perf_counter(), 0, 0
     with open(part, "a", encoding="utf-8") as f:
         for s in range(0, len(todo), a.batch_size):
+            if a.max_seconds and time.perf_counter() - start > a.max_seconds:
+                print(f"rank {rank}: --max-seconds {a.max_seconds:g} reached; run again to answer the "
+                      f"{len(todo) - s} prompts left", flush=True)
+                break
             chunk = todo[s : s + a.batch_size]
             answers = generate(target, [ids for _, _, ids in chunk], max_new_tokens=a.max_new_tokens,
                                stop_ids=stops, pad_id=tokenizer.pad_id, temperature=a.temperature,
@@ -184,6 +190,7 @@ def main(argv=None) -> None:
                 "max_prompt_tokens": a.max_prompt_tokens, "temperature": a.temperature, "top_p": a.top_p,
                 "seed": a.seed, "dtype": str(dtype).removeprefix("torch."), "world_size": world}
     counts = {"answered": written, "unfinished": unfinished, "already_done": len(done), "skipped": skipped,
+              "left": len(todo) - written,
               "seconds": round(time.perf_counter() - start, 1)}
     with open(os.path.join(a.out, "meta", f"settings-{rank:05d}.json"), "w") as f:
         json.dump({**settings, "rank": rank, **counts}, f, indent=2)

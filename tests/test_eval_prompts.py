@@ -92,3 +92,15 @@ def test_jsonl_prompts_limits_and_errors(tmp_path, tok):
 
 def test_stop_tokens(tok):
     assert stop_token_ids(tok, "qwen3") == [tok.token_id("<|im_end|>")]
+
+
+def test_first_query_of_question_only_rows():
+    from titan_draft.data.prompts import first_query
+
+    q = {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q1"}]}
+    assert first_query(q) == [Turn("system", "S"), Turn("user", "Q1")]
+    full = {"conversations": [{"from": "gpt", "value": "orphan"}, {"from": "human", "value": "Q1"},
+                              {"from": "gpt", "value": "A1"}, {"from": "human", "value": "Q2"}]}
+    assert first_query(full) == [Turn("user", "Q1")]
+    assert first_query({"conversations": [{"from": "gpt", "value": "only an answer"}]}) is None
+    assert first_query({"conversations": [{"from": "human", "value": " "}]}) is None

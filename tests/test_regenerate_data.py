@@ -78,3 +78,36 @@ def test_script_writes_a_source_and_resumes(tmp_path, random_target_dir, capsys)
     with pytest.raises(SystemExit, match="does not exist"):
         main(["--target", random_target_dir, "--out", str(out), "--source", str(tmp_path / "nope.jsonl")])
     assert os.path.isfile(out / "part-00000.jsonl")
+
+
+def test_budget_and_a_cut_line_resume(tmp_path, random_target_dir):
+    source = _chats(tmp_path / "chats.jsonl", 4)
+    out = tmp_path / "regen"
+    argv = ["--target", random_target_dir, "--out", str(out), "--source", source, "--max-new-tokens", "3",
+            "--batch-size", "2", "--dtype", "float32"]
+    main(argv + ["--max-seconds", "1e-9"])  # the budget is spent before the first batch
+    settings = json.loads((out / "meta" / "settings-00000.json").read_text())
+    assert settings["answered"] == 0 and settings["left"] == 4
+    main(argv)
+    part = out / "part-00000.jsonl"
+    lines = part.read_text().splitlines()
+    part.write_text("\n".join(lines[:3]) + "\n" + lines[3][:20])  # an interruption cut the last row
+    main(argv)
+    rows = [json.loads(line) for line in part.read_text().splitlines()]
+    assert [r["source_row"] for r in rows] == [0, 1, 2, 3]  # re-answered, in source order
+    assert json.loads((out / "meta" / "settings-00000.json").read_text())["answered"] == 1
+
+
+def test_ranks_split_the_prompts(tmp_path, random_target_dir, monkeypatch):
+    """Under torchrun rank r answers rows r, r + W, ...: two ranks together answer each row once."""
+    source = _chats(tmp_path / "chats.jsonl", 5)
+    out = tmp_path / "regen"
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        main(["--target", random_target_dir, "--out", str(out), "--source", source, "--max-new-tokens", "2",
+              "--dtype", "float32"])
+    parts = [[json.loads(line)["source_row"] for line in (out / f"part-0000{r}.jsonl").read_text().splitlines()]
+             for r in (0, 1)]
+    assert parts == [[0, 2, 4], [1, 3]]
+    assert load_rows(str(out))[1] == 5

@@ -85,12 +85,9 @@ def mtbench_questions() -> list[tuple[int, str]]:
 
 
 def first_query(row: Any) -> list[Turn] | None:
-    """A usable row's turns up to its first user turn (system turn kept), or None."""
-    turns = normalize_row(row)
-    if isinstance(turns, str):
-        return None
-    first_user = next(i for i, t in enumerate(turns) if t.role == "user")
-    return turns[: first_user + 1]
+    """A row's system turn and first user turn (an answer not needed), or None if unusable."""
+    turns = normalize_row(row, prompt_only=True)
+    return None if isinstance(turns, str) else turns
 
 
 def _file_prompts(path: str) -> list[tuple[str, list[Turn]]]:

@@ -114,9 +114,10 @@ def _normalize_turn(raw: Any) -> Turn | str:
     return Turn(role, text, reasoning)
 
 
-def _check_structure(turns: list[Turn]) -> list[Turn] | str:
-    """The conversation from its first user turn to its last assistant turn, or the reason the
-    row cannot be used.
+def _check_structure(turns: list[Turn], prompt_only: bool = False) -> list[Turn] | str:
+    """The conversation from its first user turn to its last assistant turn (``prompt_only``:
+    the system turn and the first user turn, an answer not required), or the reason the row
+    cannot be used.
 
     Leading assistant turns are dropped: ShareGPT V3 splits long conversations into pieces and
     about a third of them start with an answer whose question is in another piece. Trailing
@@ -131,14 +132,18 @@ def _check_structure(turns: list[Turn]) -> list[Turn] | str:
         return "consecutive_same_role"
     first = 1 if roles[0] == "system" else 0
     first_user = next((i for i in range(first, len(roles)) if roles[i] == "user"), None)
+    if prompt_only and first_user is not None:
+        return turns[:first] + turns[first_user : first_user + 1]
     last_assistant = max((i for i, role in enumerate(roles) if role == "assistant"), default=-1)
     if first_user is None or last_assistant < first_user:
         return "no_assistant_turn"
     return turns[:first] + turns[first_user : last_assistant + 1]
 
 
-def normalize_row(row: Any) -> list[Turn] | str:
-    """Turns of a ShareGPT or OpenAI-messages row, or the reason it cannot be used.
+def normalize_row(row: Any, *, prompt_only: bool = False) -> list[Turn] | str:
+    """Turns of a ShareGPT or OpenAI-messages row, or the reason it cannot be used. With
+    ``prompt_only`` (eval and regeneration prompts): its system turn and first user turn, and a
+    row of questions without answers is usable.
 
     The reason is one of ``SKIP_REASONS``. A row is all or nothing: dropping one bad turn would
     glue two same-role turns together and teach the draft a conversation that never happened.
@@ -156,7 +161,7 @@ def normalize_row(row: Any) -> list[Turn] | str:
         if isinstance(turn, str):
             return turn
         turns.append(turn)
-    return _check_structure(turns)
+    return _check_structure(turns, prompt_only)
 
 
 def _iter_json_list(path: Path, *, allow_truncated: bool = False) -> Iterator[Any]:
