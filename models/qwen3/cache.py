@@ -102,7 +102,7 @@ class DecodeStep:
     """What a target returns for the tokens of one cached forward."""
 
     logits: torch.Tensor | None
-    """``[B, T', V]`` next-token logits (T' = T for ``logits='all'``, 1 for ``'last'``)."""
+    """``[B, T', V]`` next-token logits in fp32 (T' = T for ``logits='all'``, 1 for ``'last'``)."""
     aux: torch.Tensor | None
     """``[B, T, K*H]`` capture-layer outputs of the new tokens (None without ``layer_ids``)."""
     last_hidden: torch.Tensor | None

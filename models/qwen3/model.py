@@ -189,7 +189,11 @@ class Qwen3Model(nn.Module):
         normed = self.norm(h)
         out_logits = None
         if logits != "none":
-            out_logits = self.lm_head(normed if logits == "all" else normed[:, -1:])
+            # fp32 logits: a bf16 lm_head rounds SmolLM2's logits to steps of 0.125 at their
+            # magnitude, so greedy choices would often be exact ties broken by rounding noise
+            rows = normed if logits == "all" else normed[:, -1:]
+            acc = torch.promote_types(rows.dtype, torch.float32)
+            out_logits = F.linear(rows.to(acc), self.lm_head.weight.to(acc))
         aux = torch.cat([outs[i] for i in layer_ids], dim=-1) if layer_ids else None
         return DecodeStep(logits=out_logits, aux=aux, last_hidden=normed if need_last_hidden else None)
 

@@ -153,6 +153,7 @@ def compare(target, prompt: list[int], greedy: Generation, spec: Generation, dev
     recomputed = float("nan")
     if g >= 0 and s >= 0:
         ids = torch.tensor([prompt + a[:index]], device=device)
-        logits = target(ids)[0, -1].float()
+        cache = target.new_cache(1, ids.shape[1])  # the decode path's (fp32) logits, one pass
+        logits = target(ids, cache=cache, logits="last", need_last_hidden=False).logits[0, -1]
         recomputed = float(logits[g] - logits[s])
     return Divergence(index=index, greedy_token=g, speculative_token=s, margin=margin, recomputed_margin=recomputed)
