@@ -16,14 +16,11 @@ import sys
 import pytest
 import torch
 
-from titan_draft.components.synthetic import (
-    SyntheticSourceNode,
-    build_synthetic_target,
-    synthetic_sample,
-)
+from titan_draft.components.synthetic_target import build_synthetic_target
 from titan_draft.components.target import build_target
 from titan_draft.config import ConfigManager
 from titan_draft.data.pipeline import build_dataloader
+from titan_draft.data.synthetic_source import SyntheticSourceNode, synthetic_sample
 from titan_draft.data.tokenizer import build_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

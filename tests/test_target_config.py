@@ -10,7 +10,8 @@ import pytest
 
 from titan_draft.components.target import build_target_tokenizer, check_target_config
 from titan_draft.config import ConfigManager
-from titan_draft.data.tokenizer import build_tokenizer, save_hf_tokenizer
+from titan_draft.data.hf_tokenizer_save import save_hf_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 
 
 def _cfg(*argv):

@@ -126,6 +126,12 @@ def test_two_rank_gloo_float8_compile_fsdp(tmp_path, chat_jsonl):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     info = json.loads((tmp_path / "run_info.json").read_text())
     assert info["world_size"] == 2 and info["compile"] is True and info["float8"]
+    # the trainer converts before parallelize_fn: every block Linear (2 layers x q k v o, gate up
+    # down, two conv kernel projections), never the Linears the draft keeps in high precision
+    f8 = info["float8"]
+    assert f8["converted"] == 18, f8
+    assert f8["skipped"]["fc"].startswith("kept in high precision")
+    assert f8["skipped"]["candidate_selector.hidden_projection"].startswith("kept in high precision")
 
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -196,7 +202,8 @@ def llama_target_dir(tmp_path_factory):
 
     from models.llama3 import TARGET_FLAVORS
     from models.qwen3 import Qwen3Model, save_hf_checkpoint
-    from titan_draft.data.tokenizer import Tokenizer, build_tokenizer, save_hf_tokenizer
+    from titan_draft.data.hf_tokenizer_save import save_hf_tokenizer
+    from titan_draft.data.tokenizer import Tokenizer, build_tokenizer
 
     qwen = build_tokenizer("qwen3").encoding
     ranks = qwen._mergeable_ranks

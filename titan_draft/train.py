@@ -118,8 +118,10 @@ class Trainer:
         tmodel = self.target.model
         model.load_frozen_tables(tmodel.embed_weight(), tmodel.lm_head_weight())
 
+        # torchtitan's order: float8 first, then the draft's parallelize_fn (AC, compile, FSDP)
         self.float8 = Float8Converter(cfg, self.parallel_dims)
-        self.model = self.spec.parallelize_fn(model, self.parallel_dims, cfg, self.float8, dp_mesh=self.dp_mesh)
+        self.float8.convert(model, keep=self.spec.float8_skip)
+        self.model = self.spec.parallelize_fn(model, self.parallel_dims, cfg, dp_mesh=self.dp_mesh)
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         n_params = sum(p.numel() for p in self.params)

@@ -11,7 +11,7 @@ from models.dflash2.args import (
 from models.dflash2.export import dflash2_from_export, export_dflash2
 from models.dflash2.flops import dflash2_flops
 from models.dflash2.model import DFlash2Draft
-from models.dflash2.parallelize import parallelize_dflash2
+from models.dflash2.parallelize import FLOAT8_SKIP, parallelize_dflash2
 from models.dflash2.proposal import DFlashProposer
 from titan_draft.protocols.model_spec import ModelSpec, register_model_spec
 
@@ -21,6 +21,7 @@ register_model_spec(
         flavors=dflash2_flavors,
         model_cls=DFlash2Draft,
         parallelize_fn=parallelize_dflash2,
+        float8_skip=FLOAT8_SKIP,
         update_args_fn=update_dflash2_args,
         capture_layers_fn=resolved_capture_layers,
         reserved_tokens_fn=reserved_tokens,

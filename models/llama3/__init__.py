@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from models.qwen3 import Qwen3Args, Qwen3Model, load_hf_state_dict, qwen3_flavors
+from models.qwen3 import Qwen3Args, Qwen3Model, load_hf_state_dict, qwen3_flavors, save_hf_checkpoint
 from models.qwen3.args import hf_decoder_kwargs
+from titan_draft.protocols.target_spec import TargetSpec, register_target_spec
 
 
 def args_from_hf_config(config: dict) -> Qwen3Args:
@@ -40,6 +41,17 @@ TARGET_FLAVORS = {
         },
     )
 }
-TARGET_MODEL_CLS = Qwen3Model
 
-__all__ = ["TARGET_FLAVORS", "TARGET_MODEL_CLS", "args_from_hf_config", "load_hf_state_dict"]
+register_target_spec(
+    TargetSpec(
+        family="llama3",
+        model_types=("llama",),
+        model_cls=Qwen3Model,
+        args_from_hf_config=args_from_hf_config,
+        load_hf_state_dict=load_hf_state_dict,
+        save_hf_checkpoint=save_hf_checkpoint,
+        flavors=TARGET_FLAVORS,
+    )
+)
+
+__all__ = ["TARGET_FLAVORS", "args_from_hf_config"]

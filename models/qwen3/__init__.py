@@ -8,6 +8,7 @@ from models.qwen3.state_dict import (
     local_key_to_hf,
     save_hf_checkpoint,
 )
+from titan_draft.protocols.target_spec import TargetSpec, register_target_spec
 
 __all__ = [
     "Qwen3Args",
@@ -19,7 +20,14 @@ __all__ = [
     "save_hf_checkpoint",
 ]
 
-# The target-family interface that titan_draft.components.target looks up by name.
-TARGET_FLAVORS = qwen3_flavors
-TARGET_MODEL_CLS = Qwen3Model
-args_from_hf_config = Qwen3Args.from_hf_config
+register_target_spec(
+    TargetSpec(
+        family="qwen3",
+        model_types=("qwen3",),
+        model_cls=Qwen3Model,
+        args_from_hf_config=Qwen3Args.from_hf_config,
+        load_hf_state_dict=load_hf_state_dict,
+        save_hf_checkpoint=save_hf_checkpoint,
+        flavors=qwen3_flavors,
+    )
+)

@@ -23,6 +23,7 @@ from models.common import (
 )
 from models.qwen3.args import Qwen3Args
 from models.qwen3.cache import DecodeStep, KVCache, LayerCache
+from titan_draft.protocols.target_spec import check_capture_layer_ids
 
 
 class Qwen3Attention(QKNormProjections):
@@ -58,16 +59,6 @@ class Qwen3DecoderLayer(nn.Module):
                 kv: LayerCache | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-def check_capture_layer_ids(layer_ids: list[int], num_layers: int) -> None:
-    """Refuse capture ids that are empty or not decoder layers ``0 .. num_layers - 1`` (every
-    target's ``capture``, random-weight, loaded or synthetic, takes the same ids)."""
-    if not layer_ids:
-        raise ValueError("capture: layer_ids is empty")
-    bad = [i for i in layer_ids if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(f"capture layer ids {bad} out of range for a {num_layers}-layer target")
 
 
 class Qwen3Model(nn.Module):

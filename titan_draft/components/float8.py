@@ -1,8 +1,10 @@
 """Float8 training of the draft's Linears with torchao (tensorwise dynamic scaling).
 
-Applied by a model's ``parallelize_fn`` before AC, compile and ``fully_shard`` (torchtitan's
-order): ``Float8Converter.convert`` swaps eligible ``nn.Linear`` for torchao ``Float8Linear``;
-``post_optimizer_hook`` precomputes the float8 weight scales for FSDP2's float8 all-gather.
+Applied by the trainer to the whole draft before its ``parallelize_fn`` (AC, compile,
+``fully_shard``: torchtitan's order): ``Float8Converter.convert`` swaps eligible ``nn.Linear`` for
+torchao ``Float8Linear``, leaving the modules the draft's spec keeps in high precision
+(``ModelSpec.float8_skip``) and ``float8.filter_fqns``; ``post_optimizer_hook`` precomputes the
+float8 weight scales for FSDP2's float8 all-gather.
 """
 
 from __future__ import annotations
@@ -81,9 +83,12 @@ class Float8Converter:
             logger.warning("float8: real float8 matmuls unavailable on CPU, EMULATING instead: %s",
                            self.emulate_reason)
 
-    def _skip_reason(self, module: nn.Linear, fqn: str) -> str | None:
+    def _skip_reason(self, module: nn.Linear, fqn: str, keep: tuple[str, ...]) -> str | None:
         if not module.weight.requires_grad:
             return "frozen"
+        for prefix in keep:
+            if fqn == prefix or fqn.startswith(prefix + "."):
+                return f"kept in high precision by the draft ('{prefix}')"
         out_features, in_features = module.weight.shape
         if out_features % _FP8_ALIGN or in_features % _FP8_ALIGN:
             return f"shape ({out_features}, {in_features}) not divisible by {_FP8_ALIGN}"
@@ -92,9 +97,10 @@ class Float8Converter:
                 return f"float8.filter_fqns '{pattern}'"
         return None
 
-    def convert(self, module: nn.Module, fqn_prefix: str = "") -> nn.Module:
+    def convert(self, module: nn.Module, fqn_prefix: str = "", keep: tuple[str, ...] = ()) -> nn.Module:
         """Swap the eligible ``nn.Linear`` in ``module`` (in place) for ``Float8Linear``.
-        ``fqn_prefix`` is ``module``'s own FQN in the model, so filter_fqns match full names."""
+        ``fqn_prefix`` is ``module``'s own FQN in the model, so filter_fqns match full names;
+        ``keep`` are FQNs (modules and everything under them) that stay in high precision."""
         if not self.enabled:
             return module
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -106,7 +112,7 @@ class Float8Converter:
             if not isinstance(mod, nn.Linear) or isinstance(mod, Float8Linear):
                 continue
             fqn = prefix + name
-            reason = self._skip_reason(mod, fqn)
+            reason = self._skip_reason(mod, fqn, tuple(keep))
             if reason is None:
                 eligible[id(mod)] = (fqn, mod)
             else:

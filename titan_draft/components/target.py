@@ -1,47 +1,29 @@
 """The frozen target: built from a local HF folder or as a seeded random-weight model, sharded
 with FSDP2, run under no_grad to produce ``TargetFeatures``.
 
-Like drafts, target families live in ``models/<family>`` and are imported by name; a family
-module exposes ``TARGET_FLAVORS``, ``TARGET_MODEL_CLS``, ``args_from_hf_config(dict)`` and
-``load_hf_state_dict(model, folder)``.
+Target families register a ``TargetSpec`` for the HF ``model_type`` values they load
+(``titan_draft/protocols/target_spec.py``); nothing here names a family.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
+from titan_draft.components.synthetic_target import build_synthetic_target, is_synthetic_target
 from titan_draft.protocols import TargetFeatures
+from titan_draft.protocols.target_spec import (
+    TargetBundle,
+    get_target_spec,
+    random_target_args,
+    target_spec_for_model_type,
+)
 
-_HF_MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama3"}
-
-
-@dataclass
-class TargetBundle:
-    model: nn.Module
-    args: Any
-    family: str
-    source: str
-    """'random:<flavor>' or the checkpoint folder."""
-
-    @property
-    def info(self) -> dict:
-        """Target facts a draft export needs (config.json fields)."""
-        a = self.args
-        return {
-            "num_hidden_layers": a.num_hidden_layers,
-            "vocab_size": a.vocab_size,
-            "hidden_size": a.hidden_size,
-            "rope_theta": a.rope_theta,
-            "max_position_embeddings": a.max_position_embeddings,
-            "source": self.source,
-        }
+__all__ = ["TargetBundle", "build_target", "build_target_tokenizer", "check_target_config", "compute_features",
+           "load_target", "random_target_args", "read_hf_config", "write_random_target"]
 
 
 def check_target_config(cfg) -> None:
@@ -93,17 +75,9 @@ def read_hf_config(folder: str) -> dict:
         raise ValueError(f"target.path: {folder!r} has no config.json (expected an HF checkpoint folder)")
     with open(cfg_path) as f:
         hf_config = json.load(f)
-    model_type = hf_config.get("model_type")
-    if model_type not in _HF_MODEL_TYPES:
-        raise ValueError(
-            f"target.path: {cfg_path} has model_type {model_type!r}; supported: {sorted(_HF_MODEL_TYPES)}"
-        )
+    target_spec_for_model_type(hf_config.get("model_type"), cfg_path)
     _check_supported(hf_config, cfg_path)
     return hf_config
-
-
-def _family_module(family: str):
-    return importlib.import_module(f"models.{family}")
 
 
 def _check_supported(hf_config: dict, cfg_path: str) -> None:
@@ -173,14 +147,13 @@ def load_target(path: str, *, dtype: torch.dtype = torch.bfloat16, device="cpu",
     if not os.path.isdir(folder):
         raise ValueError(f"target.path: {path!r} does not exist or is not a folder")
     hf_config = read_hf_config(folder)
-    family = _HF_MODEL_TYPES[hf_config["model_type"]]
-    mod = _family_module(family)
-    args = mod.args_from_hf_config(hf_config)
+    spec = target_spec_for_model_type(hf_config["model_type"], os.path.join(folder, "config.json"))
+    args = spec.args_from_hf_config(hf_config)
     with torch.device("meta"):
-        model = mod.TARGET_MODEL_CLS(args)
+        model = spec.model_cls(args)
     _freeze_and_place(model, _resolve_device(device), dtype, mesh)
-    mod.load_hf_state_dict(model, folder)
-    model.family = family
+    spec.load_hf_state_dict(model, folder)
+    model.family = spec.family
     return model
 
 
@@ -191,31 +164,15 @@ def build_target(cfg, device: torch.device, dtype: torch.dtype, mesh=None) -> Ta
     if tcfg.path:
         model = load_target(tcfg.path, dtype=dtype, device=device, mesh=mesh)
         return TargetBundle(model=model, args=model.args, family=model.family, source=tcfg.path)
-    # --- synthetic target (benchmarks): random captured features, no forward, nothing to shard
-    from titan_draft.components.synthetic import build_synthetic_target, is_synthetic_target
-
-    if is_synthetic_target(tcfg.flavor):
+    if is_synthetic_target(tcfg.flavor):  # benchmarks: random captured features, no forward
         return build_synthetic_target(cfg, device, dtype)
-    # --- end synthetic target
-    args = random_target_args(tcfg.flavor)
+    args = random_target_args(tcfg.family, tcfg.flavor)
     with torch.device("meta"):
-        model = _family_module("qwen3").TARGET_MODEL_CLS(args)
+        model = get_target_spec(tcfg.family).model_cls(args)
     _freeze_and_place(model, _resolve_device(device), dtype, mesh)
     # drawn in fp32 and cast, so a random target has the same values in every dtype
     model.init_weights(seed=tcfg.seed)
-    return TargetBundle(model=model, args=args, family="qwen3", source=f"random:{tcfg.flavor}")
-
-
-def random_target_args(flavor: str, key: str = "target.flavor"):
-    """Architecture of the random-weight (Qwen3) target flavor ``flavor``; a ValueError naming
-    ``key`` for an unknown one."""
-    flavors = _family_module("qwen3").TARGET_FLAVORS
-    if flavor not in flavors:
-        raise ValueError(
-            f"{key}: {flavor!r} is not a qwen3 target flavor ({sorted(flavors)}); set target.path "
-            "to a checkpoint folder for real training"
-        )
-    return flavors[flavor]
+    return TargetBundle(model=model, args=args, family=tcfg.family, source=f"random:{tcfg.flavor}")
 
 
 @torch.no_grad()
@@ -243,14 +200,15 @@ def write_random_target(folder: str, *, flavor: str = "debugmodel", seed: int = 
     The weights are those of the ``random:<flavor>`` target with the same ``seed`` (drawn on
     CPU), cast to ``dtype``. Returns ``folder``.
     """
-    from models.qwen3 import save_hf_checkpoint
-    from titan_draft.data.tokenizer import build_tokenizer, save_hf_tokenizer
+    from titan_draft.data.hf_tokenizer_save import save_hf_tokenizer
+    from titan_draft.data.tokenizer import build_tokenizer
 
-    args = random_target_args(flavor, key="flavor")
-    model = _family_module("qwen3").TARGET_MODEL_CLS(args)
+    spec = get_target_spec("qwen3")  # the Qwen BPE below is a Qwen3 tokenizer
+    args = random_target_args("qwen3", flavor, key="flavor")
+    model = spec.model_cls(args)
     model.init_weights(seed=seed)
     os.makedirs(folder, exist_ok=True)
-    save_hf_checkpoint(model, folder, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    spec.save_hf_checkpoint(model, folder, dtype=dtype, max_shard_bytes=max_shard_bytes)
     tokenizer = build_tokenizer("qwen3")
     save_hf_tokenizer(tokenizer, folder)
     hf_config = args.to_hf_config(torch_dtype=str(dtype).removeprefix("torch."))

@@ -41,6 +41,9 @@ class Target:
     flavor: str = "debugmodel"
     """Architecture of the random-weight target when `target.path` is empty (debugmodel,
     qwen3_8b). Empty: the job requires `target.path` and refuses to start without it."""
+    family: str = "qwen3"
+    """Target family (a registered TargetSpec: qwen3, llama3) whose `target.flavor` a
+    random-weight or synthetic target takes; a `target.path` folder says its own."""
     seed: int = 1234
     """Seed of the random-weight target's initialization (fixed so runs and resumes agree)."""
     dtype: str = "bfloat16"

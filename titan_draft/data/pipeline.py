@@ -19,6 +19,7 @@ import torchdata.nodes as tn
 from titan_draft.data.chat_template import check_template, resolve_template
 from titan_draft.data.source_node import STATE_KEY, ChatSourceNode, Sample
 from titan_draft.data.sources import SKIP_REASONS, load_rows
+from titan_draft.data.synthetic_source import build_synthetic_source, is_synthetic_source
 from titan_draft.data.system_prompt import resolve_system_prompt
 from titan_draft.data.tokenizer import Tokenizer
 
@@ -188,9 +189,6 @@ def build_dataloader(
         raise ValueError(f"training.local_batch_size: must be > 0, got {local_batch_size}")
     if pad_multiple <= 0:
         raise ValueError(f"pad_multiple must be > 0, got {pad_multiple}")
-
-    # imported here: components.synthetic imports this package
-    from titan_draft.components.synthetic import build_synthetic_source, is_synthetic_source
 
     source: tn.BaseNode
     if is_synthetic_source(data_cfg.source):  # benchmarks: token rows made in memory

@@ -32,9 +32,8 @@ from titan_draft.data.hf_tokenizer_files import (
     find_tokenizer_files,
     load_tokenizer_files,
 )
-from titan_draft.data.hf_tokenizer_save import save_hf_tokenizer
 
-__all__ = ["Tokenizer", "build_tokenizer", "save_hf_tokenizer", "SUPPORTED_TOKENIZERS"]
+__all__ = ["Tokenizer", "build_tokenizer", "SUPPORTED_TOKENIZERS"]
 
 # Order matters: ids are assigned consecutively from the end of the BPE ranks (151643).
 _QWEN3_SPECIAL_TOKENS = (

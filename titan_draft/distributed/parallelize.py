@@ -1,5 +1,6 @@
-"""Module transforms a model's ``parallelize_fn`` applies, in torchtitan's order:
-float8 conversion (components/float8.py) -> ``apply_ac`` -> ``apply_compile`` -> ``apply_fsdp``.
+"""Module transforms in torchtitan's order: float8 conversion (components/float8.py, by the
+trainer) -> ``apply_ac`` -> ``apply_compile`` -> ``apply_fsdp``. A draft's ``parallelize_fn``
+names its blocks and other trainable groups and calls :func:`parallelize_blocks`.
 
 All of them work in place on an ``nn.ModuleDict`` of blocks, so parameter FQNs stay those of the
 plain model: checkpoints and exports never see ``_orig_mod.`` (in-place ``Module.compile``) and
@@ -147,6 +148,23 @@ def apply_fsdp_frozen(
 def _reshard_root_hook(module: nn.Module, args, output):
     module.reshard()
     return output
+
+
+def parallelize_blocks(model: nn.Module, job_config, dp_mesh: DeviceMesh | None, *, blocks: nn.ModuleDict,
+                       groups: Sequence[Sequence[nn.Module]] = ()) -> nn.Module:
+    """The shared body of every draft's ``parallelize_fn``: activation checkpointing (if on) ->
+    in-place compile of each block -> ``fully_shard`` per block, then each group, then the root,
+    with ``MixedPrecisionPolicy(param, reduce)`` from the job. ``groups`` are the trainable
+    modules outside the blocks that share an FSDP unit (e.g. ``[fc, hidden_norm]``)."""
+    if job_config.activation_checkpoint.mode != "none":
+        apply_ac(blocks, job_config.activation_checkpoint.mode)
+    if job_config.compile.enable:
+        apply_compile(blocks, fullgraph=job_config.compile.fullgraph, backend=job_config.compile.backend)
+    if dp_mesh is not None:
+        param_dtype, reduce_dtype = mixed_precision_dtypes(job_config, dp_mesh.device_type)
+        apply_fsdp(model, dp_mesh, blocks=blocks, extra_groups=groups, param_dtype=param_dtype,
+                   reduce_dtype=reduce_dtype, reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward)
+    return model
 
 
 def mixed_precision_dtypes(job_config, device_type: str) -> tuple[str, str]:

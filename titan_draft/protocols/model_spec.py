@@ -20,6 +20,8 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from titan_draft.protocols.discovery import import_model_packages
+
 
 class DraftModel(Protocol):
     """What a draft module offers the trainer (an ``nn.Module``)."""
@@ -63,7 +65,9 @@ class ModelSpec:
     """flavor name -> model args dataclass instance."""
     model_cls: type[nn.Module]
     parallelize_fn: Callable[..., nn.Module]
-    """(model, parallel_dims, job_config) -> model; float8 -> AC -> compile -> fully_shard."""
+    """(model, parallel_dims, job_config, *, dp_mesh) -> model: names the draft's blocks and
+    other trainable groups for ``titan_draft.distributed.parallelize.parallelize_blocks`` (AC ->
+    in-place compile -> fully_shard). The trainer has converted float8 before it."""
     update_args_fn: Callable[[Any, ArgsContext], Any]
     """(flavor args with [model.args] applied, context) -> the args the draft is built with:
     everything that depends on the target, its tokenizer or the job is resolved here."""
@@ -76,6 +80,9 @@ class ModelSpec:
     """(model_args, batch_size, seq_len) -> model FLOPs of one training micro-step (fwd + bwd)."""
     needs_last_hidden: bool = False
     """Whether the draft consumes TargetFeatures.last_hidden."""
+    float8_skip: tuple[str, ...] = ()
+    """Module FQNs (with everything under them) whose Linears stay in high precision when
+    float8 is on."""
     reserved_tokens_fn: Callable[[Any], list[int]] | None = None
     """(resolved model_args) -> token ids the training data must never contain (e.g. a mask
     token chosen among real tokens): rows holding one are skipped and counted."""
@@ -105,6 +112,7 @@ def get_model_spec(name: str) -> ModelSpec:
             if e.name not in (f"models.{name}", "models"):
                 raise
     if name not in _REGISTRY:
+        import_model_packages()  # so the message lists every draft there is
         raise ValueError(
             f"unknown model.name {name!r}; registered drafts: {sorted(_REGISTRY) or 'none'}"
         )
