@@ -14,7 +14,7 @@ from torch.nn.attention.flex_attention import create_mask
 from models.common import dense_mask_from_mask_mod
 from models.dflash2 import DFlash2Draft, dflash2_flavors
 from models.dflash2.conv import GroupedDynamicConv
-from models.dflash2.objective import make_mask_mod, sample_anchors
+from models.common.block_diffusion import make_mask_mod, sample_anchors
 from models.dflash2.selector import CandidateSelector
 from titan_draft.protocols.features import TargetFeatures
 

@@ -10,7 +10,7 @@ import torch
 
 from models.common import chunked_cross_entropy
 from models.dflash2 import DFlash2Draft, dflash2_flavors
-from models.dflash2.objective import sample_anchors
+from models.common.block_diffusion import sample_anchors
 from models.qwen3 import Qwen3Model, qwen3_flavors
 from titan_draft.protocols.features import TargetFeatures
 

@@ -2,35 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from models.common.args import DecoderArgs
-from titan_draft.data.chat_template import template_special_tokens
+from models.common.args import BlockDiffusionArgs
+from models.common.block_spec import block_capture_layers as capture_layers
+from models.common.block_spec import update_block_args
 
 
 @dataclass
-class DFlash2Args(DecoderArgs):
-    """A DFlash / DFlash2 draft. The shape fields come from :class:`DecoderArgs`: ``hidden_size``
-    must equal the target's (block tokens use the target's embedding), ``vocab_size`` is the
-    target's (rows of its frozen embedding / lm_head)."""
+class DFlash2Args(BlockDiffusionArgs):
+    """A DFlash / DFlash2 draft: the block-diffusion backbone's args (:class:`BlockDiffusionArgs`;
+    slot k >= 1 has loss weight ``exp(-(k - 1) / loss_gamma)``) plus the convolutions, the
+    candidate selector and the logit transform."""
 
-    num_layers: int = 5
-    """Number of draft layers (also the default number of capture layers)."""
-    # --- block diffusion ---
-    block_size: int = 16
-    """Tokens per draft block b: the anchor plus b - 1 mask slots."""
-    num_anchors: int = 512
-    """Blocks sampled per sequence per step (an upper bound unless static_anchors)."""
-    loss_gamma: float = 7.0
-    """Slot k >= 1 has loss weight exp(-(k - 1) / loss_gamma)."""
-    mask_token_id: int = 151669
-    """Target embedding row used for the mask slots (an unused Qwen3 token)."""
-    target_layer_ids: list[int] = field(default_factory=list)
-    """Capture layer ids (SGLang convention); empty until resolved by capture_layers()."""
-    num_target_layers: int = 0
-    """Number of target layers; 0 until resolved."""
-    target_hidden_size: int = 0
-    """Target width H_t feeding fc (0: same as hidden_size)."""
     # --- DFlash2 grouped dynamic convolutions ---
     conv_enabled: bool = True
     """Wrap every attention and MLP sublayer in a grouped dynamic depthwise convolution."""
@@ -58,11 +42,6 @@ class DFlash2Args(DecoderArgs):
     final_logit_softcapping: float = 0.0
     """tanh softcap of the logits (0: off)."""
     # --- execution ---
-    attn_backend: str = "auto"
-    """'auto' (flex on CUDA, sdpa on CPU), 'flex' or 'sdpa'."""
-    static_anchors: bool = False
-    """Always use num_anchors blocks (padded with kept=False), so shapes never change; set by
-    the trainer from training.static_shapes."""
     ce_chunk_rows: int = 2048
     """Rows per chunk of the lm_head + cross-entropy pass."""
     selector_topk_group: int = 128
@@ -73,77 +52,8 @@ class DFlash2Args(DecoderArgs):
     that is not a multiple of it uses torch.topk."""
 
     @property
-    def fc_in_features(self) -> int:
-        return len(self.target_layer_ids) * (self.target_hidden_size or self.hidden_size)
-
-    @property
     def is_dflash2(self) -> bool:
         return self.conv_enabled or self.selector_enabled
-
-
-# Follow the target unless [model.args] sets them: the draft rotates positions as the target
-# does, is served up to the target's context length, and normalizes with the target's epsilon.
-_FROM_TARGET = ("rope_theta", "max_position_embeddings", "rms_norm_eps")
-
-
-def update_dflash2_args(args: DFlash2Args, ctx) -> DFlash2Args:
-    """The ModelSpec's ``update_args_fn``: target facts, capture layers, mask token, static
-    anchors (``ctx`` is an :class:`~titan_draft.protocols.ArgsContext`)."""
-    t = ctx.target
-    if args.hidden_size != t.hidden_size:
-        fits = sorted(name for name, f in dflash2_flavors.items() if f.hidden_size == t.hidden_size)
-        hint = f"; flavors of this width: {fits}" if fits else "; set model.args.hidden_size and the head sizes"
-        raise ValueError(
-            f"model: draft hidden_size {args.hidden_size} != target hidden_size {t.hidden_size} (the draft "
-            f"embeds and predicts through the target's tables, so they must match){hint}"
-        )
-    layer_ids = list(ctx.job.target.capture_layers) or capture_layers(args, t.num_hidden_layers)
-    bad = [i for i in layer_ids if not 0 <= i < t.num_hidden_layers]
-    if bad:
-        raise ValueError(f"target.capture_layers: ids {bad} are outside the target's {t.num_hidden_layers} layers")
-    resolved = {k: getattr(t, k) for k in _FROM_TARGET if k not in ctx.overrides}
-    if "mask_token_id" not in ctx.overrides:
-        resolved["mask_token_id"] = ctx.tokenizer.unused_token_id(
-            t.vocab_size, avoid=template_special_tokens(ctx.chat_template))
-    return replace(
-        args,
-        **resolved,
-        target_layer_ids=layer_ids,
-        num_target_layers=t.num_hidden_layers,
-        vocab_size=t.vocab_size,
-        target_hidden_size=t.hidden_size,
-        static_anchors=ctx.job.training.static_shapes,
-    )
-
-
-def resolved_capture_layers(args: DFlash2Args) -> list[int]:
-    """The ModelSpec's ``capture_layers_fn``."""
-    return list(args.target_layer_ids)
-
-
-def reserved_tokens(args: DFlash2Args) -> list[int]:
-    """The mask token: the data must never hold it (the draft reads it as "predict me")."""
-    return [args.mask_token_id]
-
-
-def capture_layers(args: DFlash2Args, num_target_layers: int) -> list[int]:
-    """Capture layer ids for a target with ``num_target_layers`` layers.
-
-    ``args.target_layer_ids`` if set, else DFlash's rule ``round(1 + i * (L - 4) / (n - 1))``
-    for ``i < n = args.num_layers`` (``n = 1`` -> ``[L // 2]``); Qwen3-8B, 5 layers ->
-    ``[1, 9, 17, 25, 33]``.
-    """
-    L, n = num_target_layers, args.num_layers
-    if args.target_layer_ids:
-        ids = list(args.target_layer_ids)
-    elif n == 1:
-        ids = [L // 2]
-    else:
-        ids = [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
-    bad = [i for i in ids if not 0 <= i < L]
-    if bad:
-        raise ValueError(f"capture layer ids {bad} out of range for a {L}-layer target")
-    return ids
 
 
 _debug = DFlash2Args(
@@ -210,3 +120,8 @@ dflash2_flavors: dict[str, DFlash2Args] = {
     ),
     "dflash_qwen3_8b": replace(_qwen3_8b, conv_enabled=False, selector_enabled=False),
 }
+
+
+def update_dflash2_args(args: DFlash2Args, ctx) -> DFlash2Args:
+    """The ModelSpec's ``update_args_fn`` (the backbone's, with these flavors as hints)."""
+    return update_block_args(args, ctx, dflash2_flavors)

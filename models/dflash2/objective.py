@@ -1,136 +1,16 @@
-"""DFlash / DFlash2 training tensors: anchors, blocks, attention mask, loss and metrics.
+"""DFlash / DFlash2 loss and metrics over the backbone's blocks (models/common/block_diffusion.py).
 
-Shapes: B sequences of length S, N anchors per sequence, blocks of b slots, R = N * b rows.
-Block n of sequence i covers positions ``a_n .. a_n + b - 1``; slot 0 holds the anchor token
-(the last committed token) and is not supervised, slot k >= 1 predicts ``x[a_n + k]``.
+Slot 0 of a block holds the anchor token (the last committed token) and is not supervised; slot
+k >= 1 predicts ``x[a_n + k]`` with weight ``exp(-(k - 1) / gamma)``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from models.common import chunked_cross_entropy
+from models.common.block_diffusion import DraftBlocks
 from titan_draft.protocols.features import DraftOutput
-
-
-def sample_anchors(
-    loss_mask: torch.Tensor,
-    valid_lengths: torch.Tensor,
-    num_anchors: int,
-    static: bool,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample block anchors uniformly without replacement -> ``(anchors [B, N], keep [B, N])``.
-
-    Candidates are ``t <= S - 2`` with ``loss_mask[t] & loss_mask[t + 1]`` and
-    ``t + 1 < valid_length``. Each candidate gets a random key; the N largest keys win and the
-    winners are sorted by position. N is ``num_anchors`` when ``static`` (one shape per run),
-    else ``min(num_anchors, largest candidate count in the batch)`` (a host sync), at least 1 so
-    every rank runs the same graph even on a batch with nothing to learn. Unused slots have
-    ``keep=False``, anchor 0 and come last.
-    """
-    bsz, seq = loss_mask.shape
-    device = loss_mask.device
-    lm = loss_mask.bool()
-    t = torch.arange(max(seq - 1, 0), device=device)
-    cand = lm[:, :-1] & lm[:, 1:] & (t[None, :] + 1 < valid_lengths.to(device)[:, None])
-    if static:
-        n = num_anchors
-    else:
-        n = max(1, min(num_anchors, int(cand.sum(dim=1).max().item()) if seq > 1 else 0))
-    width = max(seq - 1, n)
-    if width > cand.shape[1]:
-        cand = torch.cat([cand, cand.new_zeros(bsz, width - cand.shape[1])], dim=1)
-    gen_device = generator.device if generator is not None else device
-    keys = torch.rand(bsz, width, generator=generator, device=gen_device).to(device)
-    keys = torch.where(cand, keys, torch.full_like(keys, -1.0))
-    top, idx = keys.topk(n, dim=1)
-    # sort the winners by position, pushing unused slots to the end
-    order_key = torch.where(top >= 0, idx, idx + width)
-    order_key, _ = order_key.sort(dim=1)
-    keep = order_key < width
-    anchors = torch.where(keep, order_key, torch.zeros_like(order_key))
-    return anchors, keep
-
-
-@dataclass
-class DraftBlocks:
-    """Per-block tensors built from the anchors."""
-
-    anchors: torch.Tensor
-    """[B, N] int64 anchor positions (0 for unused slots)."""
-    keep: torch.Tensor
-    """[B, N] bool, False for padded anchor slots."""
-    block_ids: torch.Tensor
-    """[B, R] draft input ids: the anchor token in slot 0, mask_token_id elsewhere."""
-    positions: torch.Tensor
-    """[B, R] RoPE positions a_n + k."""
-    labels: torch.Tensor
-    """[B, N, b] gold token x[a_n + k] (clamped inside the sequence)."""
-    prev: torch.Tensor
-    """[B, N, b] gold predecessor x[a_n + k - 1] (slot 1's is the anchor token)."""
-    mask: torch.Tensor
-    """[B, N, b] float: keep * [a_n + k < valid_len] * loss_mask[a_n + k], 0 for slot 0."""
-    weight: torch.Tensor
-    """[B, N, b] float: mask * exp(-(k - 1) / gamma)."""
-
-
-def build_blocks(
-    input_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
-    valid_lengths: torch.Tensor,
-    anchors: torch.Tensor,
-    keep: torch.Tensor,
-    block_size: int,
-    mask_token_id: int,
-    gamma: float,
-    weight_dtype: torch.dtype = torch.float32,
-) -> DraftBlocks:
-    bsz, seq = input_ids.shape
-    n = anchors.shape[1]
-    k = torch.arange(block_size, device=input_ids.device)
-    pos = anchors[:, :, None] + k  # [B, N, b]
-
-    def gather(src: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        return src.gather(1, p.clamp(0, seq - 1).reshape(bsz, -1)).view(bsz, n, block_size)
-
-    labels = gather(input_ids, pos)
-    prev = gather(input_ids, pos - 1)
-    in_range = pos < valid_lengths.to(pos.device)[:, None, None]
-    supervised = keep[:, :, None] & in_range & gather(loss_mask.bool(), pos) & (k >= 1)
-    mask = supervised.to(weight_dtype)
-    decay = torch.exp(-(k.to(weight_dtype) - 1) / gamma)
-    block_ids = torch.where(k == 0, labels, torch.full_like(labels, mask_token_id))
-    return DraftBlocks(
-        anchors=anchors,
-        keep=keep,
-        block_ids=block_ids.view(bsz, -1),
-        positions=pos.view(bsz, -1),
-        labels=labels,
-        prev=prev,
-        mask=mask,
-        weight=mask * decay,
-    )
-
-
-def make_mask_mod(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int):
-    """flex ``mask_mod`` over ``Q_LEN = N * b`` block rows and ``KV_LEN = S + N * b`` keys.
-
-    Query ``q`` (block ``n = q // b``) sees context key ``kv < S`` iff ``kv < a_n`` (strictly:
-    at inference the anchor's own target feature does not exist yet) and the block is kept,
-    and block key ``kv >= S`` iff it is in its own block (bidirectional). Padded blocks thus
-    see only themselves: no empty rows, and their loss weight is 0.
-    """
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        blk = q_idx // block_size
-        see_context = (kv_idx < context_len) & (kv_idx < anchors[b, blk]) & keep[b, blk]
-        own_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == blk)
-        return see_context | own_block
-
-    return mask_mod
 
 
 def dflash_objective(
