@@ -11,9 +11,11 @@ exception in a rank or a non-zero exit is never retried.
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import socket
 import tempfile
+import traceback
 import warnings
 from typing import Callable
 
@@ -57,3 +59,14 @@ def spawn_ranks(fn: Callable, *args, nprocs: int = 2, attempts: int = 2) -> None
                 if e.signal_name is None or attempt == attempts:
                     raise RuntimeError(what) from e
                 warnings.warn(what + "\nretrying with a fresh port", stacklevel=2)
+
+
+def write_rank_result(out_dir: str, rank: int, compute: Callable[[], dict]) -> None:
+    """Run ``compute()`` in a rank and write its JSON result, or the traceback of the Python
+    error it raised, to ``rank{rank}.json`` (the test reads every rank's file)."""
+    try:
+        result = compute()
+    except Exception:
+        result = {"error": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)

@@ -7,13 +7,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import traceback
 from dataclasses import replace
 
 import pytest
 import torch
 
-from multiproc import spawn_ranks
+from multiproc import spawn_ranks, write_rank_result
 from titan_draft import load_target
 from titan_draft.components.target import write_random_target
 
@@ -52,15 +51,14 @@ def _worker(rank: int, port: int, folder: str, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    try:
+    def compute():
         # a rank left waiting on a collective fails the test in a minute instead of hanging it
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
         result = _report(folder, init_device_mesh("cpu", (2,)))
         dist.destroy_process_group()
-    except Exception:
-        result = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+        return result
+
+    write_rank_result(out_dir, rank, compute)
 
 
 @pytest.mark.slow

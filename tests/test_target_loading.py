@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import traceback
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from models.qwen3 import Qwen3Args, Qwen3Model, local_key_to_hf
-from multiproc import spawn_ranks
+from multiproc import spawn_ranks, write_rank_result
 from titan_draft import load_target
 
 # vocab 301 and 3 kv heads x 16: rows that do not split evenly over 2 ranks
@@ -167,8 +166,7 @@ def _worker(rank: int, port: int, folder: str, out_dir: str) -> None:
 
     import models.qwen3.state_dict as sd_mod
 
-    result = {}
-    try:
+    def compute():
         dist.init_process_group("gloo")
         mesh = init_device_mesh("cpu", (2,))
         full_reads = []
@@ -206,12 +204,10 @@ def _worker(rank: int, port: int, folder: str, out_dir: str) -> None:
             aux, last = model.capture(IDS, [0, 2])
             logits = model(IDS)
         torch.save({"aux": aux, "last": last, "logits": logits}, os.path.join(out_dir, f"out{rank}.pt"))
-        result = {"full_reads": full_reads, "local": local, "total": total}
         dist.destroy_process_group()
-    except Exception:
-        result = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+        return {"full_reads": full_reads, "local": local, "total": total}
+
+    write_rank_result(out_dir, rank, compute)
 
 
 @pytest.mark.slow

@@ -1,14 +1,28 @@
-"""ModelSpec: everything the trainer needs to know about one draft, and its registry.
+"""ModelSpec: everything the trainer and the eval need to know about one draft, and its registry.
 
 The engine never imports a draft by name: ``get_model_spec(name)`` imports ``models.<name>``,
-whose ``__init__`` calls ``register_model_spec``. Out-of-tree drafts register themselves the same way.
+whose ``__init__`` calls ``register_model_spec`` (a miss imports every package under ``models``
+to list what exists). Out-of-tree drafts register themselves the same way.
 
-A draft is one folder that provides: flavors (named args dataclasses), ``update_args_fn`` (its
-args from the target, tokenizer and job), the model class (``DraftModel``: init, frozen tables,
-``TargetFeatures -> DraftOutput``), ``capture_layers_fn``, ``parallelize_fn`` (names its blocks
-for the shared compile/FSDP helper), ``export_fn`` / ``from_export_fn`` (serving contract both
-ways), ``build_proposer_fn`` (how it drafts during real speculative decoding), optionally
-``flops_fn`` (MFU) and ``reserved_tokens_fn``.
+A fourth draft is one folder ``models/<name>/`` whose ``__init__`` registers a ModelSpec with:
+- ``flavors``: named args dataclasses (shape and recipe; block-diffusion drafts extend
+  ``models.common.args.BlockDiffusionArgs``);
+- ``update_args_fn(args, ArgsContext)``: everything that depends on the target, its tokenizer or
+  the job (target width check, capture layers, mask token, static shapes), never touching a
+  field the user set under ``[model.args]``;
+- ``model_cls(args)``, a ``DraftModel`` (below): ``init_weights``, ``load_frozen_tables`` (the
+  target's embedding and lm_head, kept out of every state dict), ``set_train_progress`` and
+  ``forward(TargetFeatures, generator=) -> DraftOutput`` (a weighted loss *sum*, its
+  denominator and metric sums; the trainer normalizes globally);
+- ``capture_layers_fn(args)``: the target layer ids the draft reads, and ``needs_last_hidden``;
+- ``parallelize_fn``: names the blocks and other trainable groups for
+  ``distributed.parallelize.parallelize_blocks``; ``float8_skip`` the Linears kept out of float8
+  (the trainer converts before ``parallelize_fn``);
+- ``export_fn`` / ``from_export_fn``: the serving contract (safetensors + config.json) both ways;
+- ``build_proposer_fn(plain draft) -> Proposer`` (protocols/proposer.py): how it drafts during
+  real speculative decoding, which the true-acceptance eval measures;
+- optionally ``flops_fn`` (MFU) and ``reserved_tokens_fn`` (token ids the data must not hold).
+Parameter FQNs are the serving names: checkpoints and exports never see wrapper prefixes.
 """
 
 from __future__ import annotations
