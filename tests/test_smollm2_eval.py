@@ -119,3 +119,20 @@ def test_trained_draft_lossless_and_the_eval_cli_agrees(smollm2_dir, chat_jsonl,
             for a, b in zip(got["prompts"], live["prompts"]):
                 assert (a["accepted"], a["new_tokens"]) == (b["accepted"], b["new_tokens"])
     assert "true acceptance length" in capsys.readouterr().out
+
+
+def test_random_eagle3_draft_is_lossless(smollm2):
+    """EAGLE-3's chain proposal on the real model (random weights: rejected, but every round
+    must still leave the output equal to plain greedy decoding)."""
+    from models.eagle3 import Eagle3Draft, Eagle3Proposer, eagle3_flavors
+
+    target, tok, prompts = smollm2
+    args = replace(eagle3_flavors["smollm2"], vocab_size=49152, draft_vocab_size=4096, ttt_steps=3,
+                   target_layer_ids=[1, 14, 26], num_target_layers=30)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(args)
+    draft.init_weights()
+    draft.load_frozen_tables(target.embed_weight(), target.lm_head_weight())
+    report = evaluate(target, Eagle3Proposer(draft.eval()), prompts, max_new_tokens=NEW,
+                      stop_ids=stop_token_ids(tok, "chatml"), device=CPU)
+    assert report.lossless == 3 and report.num_draft_tokens == 3

@@ -15,6 +15,7 @@ from titan_draft.components.export import load_export
 from titan_draft.config import ConfigManager
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.train import Trainer
+from trainer_runs import run_training as _run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BAD_FRAGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp", "embed", "lm_head")
@@ -43,25 +44,6 @@ def _args(dump, data, *extra):
         "--profiling.enable_profiling", "false",
         *extra,
     ]
-
-
-def _run(argv, crash_after_step: int | None = None) -> dict[int, float]:
-    cfg = ConfigManager().parse_args(argv)
-    trainer = Trainer(cfg)
-    if crash_after_step is not None:
-        save = trainer.checkpointer.save
-
-        def save_then_die(step, **kw):
-            save(step, **kw)
-            if step == crash_after_step:
-                raise KeyboardInterrupt("simulated kill")
-
-        trainer.checkpointer.save = save_then_die
-    try:
-        return trainer.train()
-    finally:
-        trainer.close()
-        destroy_distributed()
 
 
 def test_debug_job_learns_and_exports(tmp_path, chat_jsonl):

@@ -30,7 +30,7 @@ from titan_draft.components.target import (
 from titan_draft.config import ConfigManager, validate_job_config, write_job_config
 from titan_draft.config.job_config import JobConfig
 from titan_draft.data.chat_template import resolve_template
-from titan_draft.data.pipeline import build_dataloader
+from titan_draft.data.pipeline import build_dataloader, epoch_samples
 from titan_draft.data.system_prompt import resolve_system_prompt
 from titan_draft.distributed.parallelize import mixed_precision_dtypes, to_dtype
 from titan_draft.distributed.utils import (
@@ -42,7 +42,7 @@ from titan_draft.distributed.utils import (
 )
 from titan_draft.eval import Evaluator, report_scalars, save_model_args
 from titan_draft.logger import init_logger, logger
-from titan_draft.protocols import ArgsContext, get_model_spec
+from titan_draft.protocols import ArgsContext, PrepareContext, get_model_spec
 
 
 @dataclasses.dataclass
@@ -95,6 +95,8 @@ class Trainer:
         self.layer_ids = list(self.spec.capture_layers_fn(self.model_args))
         reserved = self.spec.reserved_tokens_fn
         self.reserved_tokens = list(reserved(self.model_args)) if reserved is not None else []
+        if self.spec.prepare_fn is not None:  # a pass over the data before the model exists
+            self.model_args = self.spec.prepare_fn(self.model_args, self._prepare_context())
 
         pad_multiple = 16 if cfg.float8.enable else 1
         self.dataloader = build_dataloader(
@@ -180,6 +182,25 @@ class Trainer:
             with open(os.path.join(cfg.job.dump_folder, "run_info.json"), "w") as f:
                 json.dump(self.run_info, f, indent=2)
             save_model_args(self.model_args, cfg.job.dump_folder)
+
+    def _prepare_context(self) -> PrepareContext:
+        cfg, device, world = self.cfg, self.device, self.dp_world
+
+        def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+            if world == 1:
+                return t
+            out = t.to(device)
+            torch.distributed.all_reduce(out)
+            return out.cpu()
+
+        return PrepareContext(
+            job=cfg, tokenizer=self.tokenizer, chat_template=resolve_template(cfg.data.chat_template, self.tokenizer),
+            dump_folder=cfg.job.dump_folder, dp_rank=self.dp_rank, dp_world=world,
+            samples=lambda: epoch_samples(cfg.data, self.tokenizer, dp_rank=self.dp_rank, dp_world=world,
+                                          seed=cfg.training.seed, reserved_ids=frozenset(self.reserved_tokens)),
+            all_reduce_sum=all_reduce_sum,
+            barrier=(lambda: torch.distributed.barrier()) if world > 1 else (lambda: None),
+        )
 
     def _total_steps(self) -> int:
         t = self.cfg.training

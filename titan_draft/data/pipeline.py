@@ -23,7 +23,7 @@ from titan_draft.data.synthetic_source import build_synthetic_source, is_synthet
 from titan_draft.data.system_prompt import resolve_system_prompt
 from titan_draft.data.tokenizer import Tokenizer
 
-__all__ = ["ChatDataLoader", "build_dataloader", "collate_chat"]
+__all__ = ["ChatDataLoader", "build_dataloader", "collate_chat", "epoch_samples"]
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +208,19 @@ def build_dataloader(
         # snapshot_frequency=1: a snapshot per batch, so a resume never replays or loses one.
         node = tn.Prefetcher(node, prefetch_factor=data_cfg.prefetch_factor, snapshot_frequency=1)
     return ChatDataLoader(tn.Loader(node), source, dp_rank=dp_rank, dp_world=dp_world)
+
+
+def epoch_samples(data_cfg: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seed: int,
+                  reserved_ids: frozenset[int] = frozenset()):
+    """This DP rank's usable samples once, rendered and truncated as training renders them (what
+    a draft's data pass, e.g. EAGLE-3's vocabulary count, must see)."""
+    if is_synthetic_source(data_cfg.source):
+        yield from build_synthetic_source(data_cfg, dp_rank=dp_rank, dp_world=dp_world, seed=seed).usable_samples()
+        return
+    template = resolve_template(data_cfg.chat_template, tokenizer)
+    source = _chat_source(data_cfg, tokenizer, template, dp_rank=dp_rank, dp_world=dp_world, seed=seed,
+                          static_shapes=False, reserved_ids=reserved_ids)
+    yield from source.usable_samples()
 
 
 def _chat_source(data_cfg: Any, tokenizer: Tokenizer, template: str, *, dp_rank: int, dp_world: int, seed: int,

@@ -136,6 +136,13 @@ class ChatSourceNode(tn.BaseNode[Sample]):
             return "no_loss_tokens"
         return ids, mask
 
+    def usable_samples(self):
+        """Every usable row once, in source order (a counting pass; the node's state is untouched)."""
+        for row in self.rows:
+            sample = self._sample(row)
+            if not isinstance(sample, str):
+                yield sample
+
     def next(self) -> Sample:
         for _ in range(len(self.rows)):
             row = self.rows[self._order[self._position]]

@@ -116,6 +116,11 @@ class SyntheticSourceNode(tn.BaseNode[Sample]):
         # every epoch repeats the same rows, like a dataset read again
         return synthetic_sample(self.mode, self.max_length, self.seed, row)
 
+    def usable_samples(self):
+        """Every row once (a counting pass)."""
+        for row in self.rows:
+            yield synthetic_sample(self.mode, self.max_length, self.seed, row)
+
     def get_state(self) -> dict[str, Any]:
         return {
             STATE_KEY: {

@@ -10,7 +10,7 @@ DCP's state-dict helpers strip ``_checkpoint_wrapped_module.``.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 from torch import nn
@@ -33,26 +33,46 @@ def to_dtype(name: str | torch.dtype) -> torch.dtype:
     return dtype
 
 
-def apply_ac(blocks: nn.ModuleDict, mode: str) -> None:
+Blocks = Union[nn.ModuleDict, tuple[nn.Module, Sequence[str]]]
+"""A model's repeated blocks: an ``nn.ModuleDict`` of them (``layers``), or ``(parent, names)``
+for blocks that are plain attributes (EAGLE3's single ``midlayer``), so FQNs stay the serving
+names either way."""
+
+
+def _block_slots(blocks: Blocks) -> list[tuple[nn.Module, str]]:
+    """``(parent, name)`` of every block."""
+    if isinstance(blocks, nn.ModuleDict):
+        return [(blocks, name) for name in blocks.keys()]
+    parent, names = blocks
+    return [(parent, name) for name in names]
+
+
+def block_modules(blocks: Blocks) -> list[nn.Module]:
+    return [getattr(parent, name) for parent, name in _block_slots(blocks)]
+
+
+def apply_ac(blocks: Blocks, mode: str) -> None:
     """Activation checkpointing: with mode 'full' every block recomputes its forward in backward."""
     if mode == "none":
         return
     if mode != "full":
         raise ValueError(f"activation_checkpoint.mode = {mode!r} must be none or full")
-    for name, block in blocks.named_children():
+    slots = _block_slots(blocks)
+    for parent, name in slots:
         # non-reentrant checkpointing composes with FSDP2 hooks and torch.compile; RNG state is
         # preserved so a block that draws random numbers recomputes exactly what it computed
-        blocks.register_module(name, checkpoint_wrapper(block, preserve_rng_state=True))
-    logger.info("activation checkpointing: full, %d blocks", len(blocks))
+        parent.register_module(name, checkpoint_wrapper(getattr(parent, name), preserve_rng_state=True))
+    logger.info("activation checkpointing: full, %d blocks", len(slots))
 
 
-def apply_compile(blocks: nn.ModuleDict, fullgraph: bool = False, backend: str = "inductor") -> None:
+def apply_compile(blocks: Blocks, fullgraph: bool = False, backend: str = "inductor") -> None:
     """Compile each block in place. ``Module.compile`` keeps the module object (and with it the
     FSDP unit boundary and parameter FQNs); ``torch.compile(block)`` would add ``_orig_mod.``.
     FSDP2's hooks stay outside the graph (dynamo skips them) and run eagerly around each block."""
-    for block in blocks.values():
+    modules = block_modules(blocks)
+    for block in modules:
         block.compile(fullgraph=fullgraph, backend=backend)
-    logger.info("compiled %d blocks in place (backend=%s, fullgraph=%s)", len(blocks), backend, fullgraph)
+    logger.info("compiled %d blocks in place (backend=%s, fullgraph=%s)", len(modules), backend, fullgraph)
 
 
 def _reshard_value(policy: str) -> bool | None:
@@ -68,7 +88,7 @@ def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,
     *,
-    blocks: nn.ModuleDict,
+    blocks: Blocks,
     extra_groups: Sequence[Sequence[nn.Module]] = (),
     param_dtype: str | torch.dtype = "bfloat16",
     reduce_dtype: str | torch.dtype = "float32",
@@ -84,7 +104,8 @@ def apply_fsdp(
     """
     mp = MixedPrecisionPolicy(param_dtype=to_dtype(param_dtype), reduce_dtype=to_dtype(reduce_dtype))
     reshard = _reshard_value(reshard_after_forward)
-    for block in blocks.values():
+    modules = block_modules(blocks)
+    for block in modules:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     for group in extra_groups:
         # FSDP prefetches the small tail groups for backward right away, so freeing them after
@@ -97,7 +118,7 @@ def apply_fsdp(
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, **root_kwargs)
     _set_gradient_reduction(model, dp_mesh, gradient_divide_factor)
     logger.info("FSDP2: %d blocks + %d extra groups + root over %d ranks (param %s, reduce %s, "
-                "reshard_after_forward=%s, gradient_divide_factor=%s)", len(blocks), len(extra_groups),
+                "reshard_after_forward=%s, gradient_divide_factor=%s)", len(modules), len(extra_groups),
                 dp_mesh.size(), mp.param_dtype, mp.reduce_dtype, reshard_after_forward,
                 gradient_divide_factor)
     return model
@@ -150,7 +171,7 @@ def _reshard_root_hook(module: nn.Module, args, output):
     return output
 
 
-def parallelize_blocks(model: nn.Module, job_config, dp_mesh: DeviceMesh | None, *, blocks: nn.ModuleDict,
+def parallelize_blocks(model: nn.Module, job_config, dp_mesh: DeviceMesh | None, *, blocks: Blocks,
                        groups: Sequence[Sequence[nn.Module]] = ()) -> nn.Module:
     """The shared body of every draft's ``parallelize_fn``: activation checkpointing (if on) ->
     in-place compile of each block -> ``fully_shard`` per block, then each group, then the root,

@@ -21,7 +21,8 @@ A fourth draft is one folder ``models/<name>/`` whose ``__init__`` registers a M
 - ``export_fn`` / ``from_export_fn``: the serving contract (safetensors + config.json) both ways;
 - ``build_proposer_fn(plain draft) -> Proposer`` (protocols/proposer.py): how it drafts during
   real speculative decoding, which the true-acceptance eval measures;
-- optionally ``flops_fn`` (MFU) and ``reserved_tokens_fn`` (token ids the data must not hold).
+- optionally ``prepare_fn`` (a pass over the training data before the model exists),
+  ``flops_fn`` (MFU) and ``reserved_tokens_fn`` (token ids the data must not hold).
 Parameter FQNs are the serving names: checkpoints and exports never see wrapper prefixes.
 """
 
@@ -73,6 +74,30 @@ class ArgsContext:
 
 
 @dataclass
+class PrepareContext:
+    """What a draft's ``prepare_fn`` may use before its model is built (e.g. to count the
+    training data's tokens into a draft vocabulary)."""
+
+    job: Any
+    tokenizer: Any
+    chat_template: str
+    dump_folder: str
+    dp_rank: int
+    dp_world: int
+    samples: Callable[[], Any]
+    """() -> this DP rank's ``(input_ids, loss_mask)`` samples, every usable row once, rendered
+    and truncated exactly as training renders them."""
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]
+    """Sum a CPU tensor over the DP ranks (the identity on one rank)."""
+    barrier: Callable[[], None]
+    """Wait for every DP rank (e.g. after rank 0 wrote a file the others read)."""
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.dp_rank == 0
+
+
+@dataclass
 class ModelSpec:
     name: str
     flavors: dict[str, Any]
@@ -94,6 +119,9 @@ class ModelSpec:
     """(model_args, batch_size, seq_len) -> model FLOPs of one training micro-step (fwd + bwd)."""
     needs_last_hidden: bool = False
     """Whether the draft consumes TargetFeatures.last_hidden."""
+    prepare_fn: Callable[[Any, PrepareContext], Any] | None = None
+    """(resolved args, context) -> args: work on the training data before the model is built
+    (EAGLE-3 counts its draft vocabulary here); runs on every DP rank."""
     float8_skip: tuple[str, ...] = ()
     """Module FQNs (with everything under them) whose Linears stay in high precision when
     float8 is on."""

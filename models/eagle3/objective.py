@@ -1,0 +1,109 @@
+"""EAGLE-3's training-time test: the midlayer unrolled ``ttt_steps`` times, its mask and its loss.
+
+Step i at position t: token x_{t+1+i} (teacher-forced), hidden = step i - 1's pre-norm output at
+t (the fused features g_t for step 0), RoPE position t + i; it predicts x_{t+2+i} against the
+target's next-token distribution at position t + 1 + i, restricted to the draft vocabulary and
+renormalized. A position is supervised at step i when x_{t+2+i} is a loss token inside the
+sequence and the target's own argmax there is in the draft vocabulary.
+
+Loss: ``sum_i decay**i * sum_t mask_i(t) * CE(p_i(t), q_i(t))``, normalized by the number of
+step-0 supervised positions (the trainer divides by it, reduced over micro-batches and ranks).
+Metrics: per-step accuracy (draft argmax = target argmax) and the simulated acceptance length
+``1 + sum_k prod_{i <= k} correct_i`` at each step-0 supervised position.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from models.common import build_attention_mask
+from titan_draft.protocols.features import DraftOutput, TargetFeatures
+
+
+def ttt_mask_mod(seq_len: int, valid_lengths: torch.Tensor):
+    """flex ``mask_mod`` of any step over ``KV_LEN = (i + 1) * S`` keys (step j's keys at
+    ``j * S + s``): step 0's keys causally (``s <= t``, inside the sequence), the later steps'
+    keys only at the query's own position (the chain the query is part of)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        j = kv_idx // seq_len
+        s = kv_idx - j * seq_len
+        causal = (j == 0) & (s <= q_idx) & (s < valid_lengths[b])
+        return causal | ((j >= 1) & (s == q_idx))
+
+    return mask_mod
+
+
+def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
+    """``y[:, t] = x[:, t + k]`` (``fill`` past the end)."""
+    if k == 0:
+        return x
+    pad = x.new_full((x.shape[0], k, *x.shape[2:]), fill)
+    return torch.cat([x[:, k:], pad], dim=1)[:, : x.shape[1]]
+
+
+@torch.no_grad()
+def teacher(draft, last_hidden: torch.Tensor, chunk_rows: int = 2048):
+    """The target's next-token distribution at every position, restricted to the draft vocabulary:
+    ``(p [B, S, Vd] (fp32, fp64 for fp64 tables), in_vocab [B, S] bool (its full-vocabulary argmax is a draft token),
+    argmax [B, S] (draft index))``, from the final-norm hidden through the frozen lm_head, chunked:
+    no ``[B * S, V]`` logits are ever alive at once."""
+    bsz, seq, h = last_hidden.shape
+    w, ids = draft.target_lm_head, draft.draft_ids()
+    rows = last_hidden.reshape(-1, h)
+    probs, in_vocab, arg = [], [], []
+    for s in range(0, rows.shape[0], chunk_rows):
+        z = rows[s : s + chunk_rows].to(w.dtype) @ w.t()
+        in_vocab.append(draft.t2d[z.argmax(dim=-1)])
+        zd = z[:, ids].to(torch.promote_types(z.dtype, torch.float32))
+        probs.append(torch.softmax(zd, dim=-1))
+        arg.append(zd.argmax(dim=-1))
+    return (torch.cat(probs).view(bsz, seq, -1), torch.cat(in_vocab).view(bsz, seq),
+            torch.cat(arg).view(bsz, seq))
+
+
+def ttt_objective(draft, f: TargetFeatures) -> DraftOutput:
+    a = draft.args
+    if f.last_hidden is None:
+        raise ValueError("EAGLE-3 needs the target's final-norm hidden states (needs_last_hidden)")
+    if draft.target_lm_head.shape[0] == 0:
+        raise RuntimeError("Eagle3Draft: call load_frozen_tables() before forward")
+    bsz, seq = f.input_ids.shape
+    device = f.input_ids.device
+    hidden = draft.fuse(f.aux_hidden)
+    dtype = hidden.dtype
+    acc_dtype = torch.promote_types(dtype, torch.float32)
+    p, in_vocab, gold = teacher(draft, f.last_hidden)
+    positions = torch.arange(seq, device=device).expand(bsz, seq)
+    valid = f.valid_lengths.to(device)[:, None]
+    mask_mod = ttt_mask_mod(seq, f.valid_lengths.to(device))
+    loss_sum = torch.zeros((), device=device, dtype=acc_dtype)
+    metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    chain = torch.ones(bsz, seq, device=device, dtype=acc_dtype)
+    accepted = torch.zeros(bsz, seq, device=device, dtype=acc_dtype)
+    past: list = []
+    m0 = None
+    for i in range(a.ttt_steps):
+        tokens = _shift(f.input_ids, 1 + i)
+        rope = draft.rope(positions + i, acc_dtype)
+        attn_mask = build_attention_mask(mask_mod, bsz, seq, (i + 1) * seq, device, a.attn_backend)
+        out, kv = draft.midlayer(draft.embed(tokens, dtype), hidden, rope, past, attn_mask)
+        past.append(kv)
+        logits = draft.lm_head(draft.norm(out)).to(acc_dtype)
+        m = ((positions + 2 + i < valid) & _shift(f.loss_mask.bool(), 2 + i, False)
+             & _shift(in_vocab, 1 + i, False)).to(acc_dtype)
+        ce = -(_shift(p, 1 + i).to(acc_dtype) * torch.log_softmax(logits, dim=-1)).sum(dim=-1)
+        loss_sum = loss_sum + a.step_decay**i * (m * ce).sum()
+        correct = (logits.argmax(dim=-1) == _shift(gold, 1 + i)).to(acc_dtype)
+        metrics[f"acc_{i}"] = ((m * correct).sum(), m.sum())
+        if i == 0:
+            m0 = m
+            metrics["ce"] = ((m * ce).sum(), m.sum())
+            metrics["acc"] = metrics["acc_0"]
+        chain = chain * correct * m
+        accepted = accepted + chain
+        hidden = out
+    metrics["accept_len"] = ((m0 * (1.0 + accepted)).sum(), m0.sum())
+    metrics = {k: (num.detach(), den.detach()) for k, (num, den) in metrics.items()}
+    return DraftOutput(loss_sum=loss_sum, loss_denominator=m0.sum().detach(), metrics=metrics)

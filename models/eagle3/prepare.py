@@ -1,0 +1,50 @@
+"""EAGLE-3's ``prepare_fn``: the draft vocabulary, counted from the job's own data or read back.
+
+The file (``model.args.draft_vocab_file``, default ``job.dump_folder/draft_vocab.safetensors``)
+records what it was counted from; a resumed run reads it back and a job whose data, tokenizer,
+format or sizes differ is refused (``vocab.load_draft_vocab``), never silently given it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+
+from models.eagle3.args import Eagle3Args
+from models.eagle3.vocab import build_draft_vocab, count_loss_tokens, load_draft_vocab, save_draft_vocab
+from titan_draft.data.system_prompt import resolve_system_prompt
+
+logger = logging.getLogger(__name__)
+
+VOCAB_FILE = "draft_vocab.safetensors"
+
+
+def vocab_origin(args: Eagle3Args, ctx) -> dict:
+    """What a draft vocabulary is a function of."""
+    d = ctx.job.data
+    return {
+        "data.source": d.source, "data.max_rows": d.max_rows, "data.holdout_rows": d.holdout_rows,
+        "data.max_length": d.max_length, "data.chat_template": ctx.chat_template,
+        "data.system_prompt": resolve_system_prompt(d.system_prompt, ctx.tokenizer, ctx.chat_template),
+        "data.enable_thinking": d.enable_thinking, "data.last_turn_only": d.last_turn_only,
+        "tokenizer": ctx.tokenizer.name, "vocab_size": args.vocab_size, "draft_vocab_size": args.draft_vocab_size,
+    }
+
+
+def prepare_eagle3(args: Eagle3Args, ctx) -> Eagle3Args:
+    path = args.draft_vocab_file or os.path.join(ctx.dump_folder, VOCAB_FILE)
+    origin = vocab_origin(args, ctx)
+    if os.path.isfile(path):
+        load_draft_vocab(path, origin)  # refuses a vocabulary counted from something else
+        logger.info("eagle3: draft vocabulary read from %s", path)
+        return replace(args, draft_vocab_file=path)
+    counts = ctx.all_reduce_sum(count_loss_tokens(ctx.samples(), args.vocab_size))
+    d2t, t2d = build_draft_vocab(counts, args.draft_vocab_size)
+    total, covered = int(counts.sum()), int(counts[t2d].sum())
+    if ctx.is_rank0:
+        save_draft_vocab(path, d2t, t2d, counts, {**origin, "loss_tokens": total})
+    ctx.barrier()  # the other ranks' models read the file
+    logger.info("eagle3: draft vocabulary of %d tokens covers %.2f%% of %d loss tokens; wrote %s",
+                args.draft_vocab_size, 100.0 * covered / max(total, 1), total, path)
+    return replace(args, draft_vocab_file=path)

@@ -1,0 +1,96 @@
+"""EAGLE-3's draft vocabulary: the ``draft_vocab_size`` most frequent loss-masked tokens of the
+training data, as ``d2t`` (int64 ``[Vd]``: target id = k + d2t[k]) and ``t2d`` (bool ``[V]``:
+in the draft vocabulary), the tensors SGLang reads from the export.
+
+Counted once, before training, over one pass of the job's own rendered and tokenized rows (each
+DP rank its rows, then summed), and written with what it was counted from. A file whose origin
+differs from the job's is refused naming the field: a vocabulary counted on other data, another
+tokenizer or template silently changes which tokens the draft can ever propose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+__all__ = ["build_draft_vocab", "count_loss_tokens", "load_draft_vocab", "load_draft_vocab_tensors", "read_draft_vocab",
+           "save_draft_vocab"]
+
+_ORIGIN_KEY = "titan_draft.draft_vocab.origin"
+
+
+def count_loss_tokens(samples: Iterable[tuple[list[int], list[bool]]], vocab_size: int) -> torch.Tensor:
+    """``[V]`` int64 counts of the tokens whose loss mask is True."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for ids, mask in samples:
+        kept = torch.tensor([t for t, m in zip(ids, mask) if m], dtype=torch.int64)
+        if kept.numel():
+            counts += torch.bincount(kept, minlength=vocab_size)
+    return counts
+
+
+def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d2t, t2d)`` of the ``draft_vocab_size`` most frequent tokens; ties (and tokens never
+    seen, which fill a vocabulary larger than the data) go to the lower id, so the result is a
+    function of the counts alone."""
+    vocab_size = counts.numel()
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1 .. {vocab_size}")
+    # stable sort on -count keeps ids ascending among equal counts
+    order = torch.sort(-counts.to(torch.int64), stable=True).indices[:draft_vocab_size]
+    used = torch.sort(order).values
+    d2t = used - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    return d2t, t2d
+
+
+def save_draft_vocab(path: str, d2t: torch.Tensor, t2d: torch.Tensor, counts: torch.Tensor, origin: dict) -> None:
+    """Write atomically (a temporary name, then a rename): a crash never leaves half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous(), "counts": counts.contiguous()}, path + ".tmp",
+              metadata={_ORIGIN_KEY: json.dumps(origin, sort_keys=True)})
+    os.replace(path + ".tmp", path)
+
+
+def load_draft_vocab(path: str, origin: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d2t, t2d)`` of ``path``, refused when it was counted from something else than
+    ``origin`` says (the first differing field is named)."""
+    try:
+        with safe_open(path, "pt") as f:
+            saved = json.loads((f.metadata() or {}).get(_ORIGIN_KEY, "{}"))
+            d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"model.args.draft_vocab_file: {path} is not a draft vocabulary file: {e}") from None
+    for key in sorted(origin):
+        if saved.get(key) != origin[key]:
+            raise ValueError(
+                f"model.args.draft_vocab_file: {path} was counted with {key} = {saved.get(key)!r}, this job "
+                f"has {origin[key]!r}; delete it to count again, or point draft_vocab_file elsewhere"
+            )
+    return d2t, t2d
+
+
+def read_draft_vocab(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d2t, t2d)`` of a file already checked against its job (:func:`load_draft_vocab`)."""
+    with safe_open(path, "pt") as f:
+        return f.get_tensor("d2t"), f.get_tensor("t2d")
+
+
+def load_draft_vocab_tensors(args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vocabulary a draft is built with: its ``draft_vocab_file``, else the first
+    ``draft_vocab_size`` ids (a stand-in for tests and for a checkpoint that brings its own)."""
+    if args.draft_vocab_file:
+        d2t, t2d = read_draft_vocab(args.draft_vocab_file)
+        if d2t.numel() != args.draft_vocab_size or t2d.numel() != args.vocab_size:
+            raise ValueError(f"model.args.draft_vocab_file: {args.draft_vocab_file} holds {d2t.numel()} of "
+                             f"{t2d.numel()} tokens, the draft has {args.draft_vocab_size} of {args.vocab_size}")
+        return d2t, t2d
+    t2d = torch.zeros(args.vocab_size, dtype=torch.bool)
+    t2d[: args.draft_vocab_size] = True
+    return torch.zeros(args.draft_vocab_size, dtype=torch.int64), t2d

@@ -1,0 +1,207 @@
+"""EAGLE-3 against independent float64 references: the training-time-test mask, the loss and its
+gradient, the draft vocabulary, the export round trip, and decoding that equals training."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from models.common import dense_mask_from_mask_mod
+from models.eagle3 import Eagle3Draft, Eagle3Proposer, eagle3_capture_layers, eagle3_flavors
+from models.eagle3.export import eagle3_from_export, export_eagle3
+from models.eagle3.objective import ttt_mask_mod
+from models.eagle3.vocab import build_draft_vocab, count_loss_tokens, load_draft_vocab, save_draft_vocab
+from titan_draft.protocols import TargetFeatures
+
+V, VD, H, L = 97, 40, 32, 6
+ARGS = replace(eagle3_flavors["debugmodel"], vocab_size=V, draft_vocab_size=VD, hidden_size=H, intermediate_size=48,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=8, ttt_steps=3, target_layer_ids=[1, 2, 4],
+               num_target_layers=L)
+
+
+def test_capture_rule():
+    assert eagle3_capture_layers(36) == [1, 17, 32] and eagle3_capture_layers(32) == [1, 15, 28]
+    assert eagle3_capture_layers(30) == [1, 14, 26]
+
+
+@pytest.mark.parametrize("step", [0, 1, 3])
+def test_ttt_mask_equals_a_loop(step):
+    seq, lengths = 7, torch.tensor([7, 4])
+    got = dense_mask_from_mask_mod(ttt_mask_mod(seq, lengths), 2, seq, (step + 1) * seq, "cpu")[:, 0]
+    want = torch.zeros_like(got)
+    for b in range(2):
+        for t in range(seq):
+            for s in range(seq):
+                want[b, t, s] = s <= t and s < lengths[b]  # step 0: causal, inside the sequence
+            for j in range(1, step + 1):
+                want[b, t, j * seq + t] = True  # steps 1..step: the query's own position only
+    assert torch.equal(got, want)
+
+
+def _draft(seed=0) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    d = Eagle3Draft(ARGS).double()
+    d.init_weights()
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+        d.d2t.copy_(torch.tensor(sorted(torch.randperm(V)[:VD].tolist())) - torch.arange(VD))
+        d.t2d.zero_()
+        d.t2d[d.draft_ids()] = True
+    g = torch.Generator().manual_seed(seed + 1)
+    d.load_frozen_tables(torch.randn(V, H, generator=g, dtype=torch.float64),
+                         torch.randn(V, H, generator=g, dtype=torch.float64))
+    return d
+
+
+def _features(seed=2, seq=9):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (2, seq), generator=g)
+    mask = torch.rand(2, seq, generator=g) > 0.3
+    return TargetFeatures(input_ids=ids, loss_mask=mask, valid_lengths=torch.tensor([seq, seq - 3]),
+                          aux_hidden=torch.randn(2, seq, 3 * H, generator=g, dtype=torch.float64),
+                          last_hidden=torch.randn(2, seq, H, generator=g, dtype=torch.float64) * 2)
+
+
+def _rms(x, w, eps):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, pos, theta):  # x [S, heads, d], pos [S]
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos[:, None].double() * inv
+    c, s = ang.cos()[:, None], ang.sin()[:, None]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def _reference_loss(d: Eagle3Draft, f: TargetFeatures) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole training-time test written out per row and per query with plain tensor ops."""
+    a, P = d.args, dict(d.named_parameters())
+    eps, nh, nkv, hd = a.rms_norm_eps, a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    used = d.draft_ids()
+    total = torch.zeros((), dtype=torch.float64)
+    denom = torch.zeros((), dtype=torch.float64)
+    for b in range(f.input_ids.shape[0]):
+        ids, n, seq = f.input_ids[b], int(f.valid_lengths[b]), f.input_ids.shape[1]
+        zt = f.last_hidden[b] @ d.target_lm_head.t()
+        p = torch.softmax(zt[:, used], -1)
+        in_vocab = d.t2d[zt.argmax(-1)]
+        hidden = f.aux_hidden[b] @ P["fc.weight"].t()
+        keys, values = [], []
+        for i in range(a.ttt_steps):
+            tok = torch.tensor([int(ids[t + 1 + i]) if t + 1 + i < seq else 0 for t in range(seq)])
+            z = torch.cat([_rms(d.target_embed[tok], P["midlayer.input_layernorm.weight"], eps),
+                           _rms(hidden, P["midlayer.hidden_norm.weight"], eps)], -1)
+            pos = torch.arange(seq) + i
+            q = _rope((z @ P["midlayer.self_attn.q_proj.weight"].t()).view(seq, nh, hd), pos, a.rope_theta)
+            keys.append(_rope((z @ P["midlayer.self_attn.k_proj.weight"].t()).view(seq, nkv, hd), pos, a.rope_theta))
+            values.append((z @ P["midlayer.self_attn.v_proj.weight"].t()).view(seq, nkv, hd))
+            rows = []
+            for t in range(seq):
+                heads = []
+                for h in range(nh):
+                    g = h // (nh // nkv)
+                    ks = [keys[0][s, g] for s in range(t + 1) if s < n] + [keys[j][t, g] for j in range(1, i + 1)]
+                    vs = [values[0][s, g] for s in range(t + 1) if s < n] + [values[j][t, g] for j in range(1, i + 1)]
+                    w = torch.softmax(torch.stack(ks) @ q[t, h] / math.sqrt(hd), -1)
+                    heads.append(w @ torch.stack(vs))
+                rows.append(torch.cat(heads))
+            h1 = hidden + torch.stack(rows) @ P["midlayer.self_attn.o_proj.weight"].t()
+            x = _rms(h1, P["midlayer.post_attention_layernorm.weight"], eps)
+            mlp = (torch.nn.functional.silu(x @ P["midlayer.mlp.gate_proj.weight"].t())
+                   * (x @ P["midlayer.mlp.up_proj.weight"].t())) @ P["midlayer.mlp.down_proj.weight"].t()
+            out = h1 + mlp
+            logq = torch.log_softmax(_rms(out, P["norm.weight"], eps) @ P["lm_head.weight"].t(), -1)
+            for t in range(seq):
+                tgt = t + 1 + i  # the teacher position; it predicts x[t + 2 + i]
+                if t + 2 + i < n and f.loss_mask[b, t + 2 + i] and in_vocab[tgt]:
+                    total = total + a.step_decay**i * -(p[tgt] * logq[t]).sum()
+                    denom = denom + (i == 0)
+            hidden = out
+    return total, denom
+
+
+def test_loss_and_gradient_equal_the_reference():
+    d, f = _draft(), _features()
+    out = d(f)
+    ref, denom = _reference_loss(d, f)
+    torch.testing.assert_close(out.loss_sum, ref, rtol=1e-10, atol=1e-10)
+    assert out.loss_denominator == denom
+    params = [p for p in d.parameters() if p.requires_grad]
+    got = torch.autograd.grad(out.loss_sum, params)
+    want = torch.autograd.grad(ref, params)
+    for (name, _), g, w in zip([(n, p) for n, p in d.named_parameters() if p.requires_grad], got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10, msg=name)
+    assert {k for k in out.metrics} >= {"acc", "acc_0", "acc_2", "ce", "accept_len"}
+
+
+def test_draft_vocabulary(tmp_path):
+    samples = [([5, 5, 7, 9, 3], [True, True, True, False, True]), ([3, 3, 5, 1], [False, True, True, True])]
+    counts = count_loss_tokens(samples, 12)
+    assert counts.tolist() == [0, 1, 0, 2, 0, 3, 0, 1, 0, 0, 0, 0]  # 9 and the first 3 are not loss tokens
+    d2t, t2d = build_draft_vocab(counts, 4)
+    # 5 (3), 3 (2), then 1 and 7 tie at 1: the lower ids win; sorted ascending
+    assert (torch.arange(4) + d2t).tolist() == [1, 3, 5, 7] and t2d.nonzero().flatten().tolist() == [1, 3, 5, 7]
+    d2t, t2d = build_draft_vocab(counts, 6)  # more room than seen tokens: unseen low ids fill it
+    assert (torch.arange(6) + d2t).tolist() == [0, 1, 2, 3, 5, 7]
+    path = str(tmp_path / "v.safetensors")
+    origin = {"data.source": "a.jsonl", "tokenizer": "t", "draft_vocab_size": 6}
+    save_draft_vocab(path, d2t, t2d, counts, origin)
+    back = load_draft_vocab(path, origin)
+    assert torch.equal(back[0], d2t) and torch.equal(back[1], t2d)
+    with pytest.raises(ValueError, match=r"counted with data.source = 'a.jsonl', this job has 'b.jsonl'"):
+        load_draft_vocab(path, {**origin, "data.source": "b.jsonl"})
+
+
+def test_export_round_trip_and_refusals():
+    d = _draft()
+    info = {"num_hidden_layers": L, "vocab_size": V, "hidden_size": H}
+    tensors, config = export_eagle3(d.state_dict(), d.args, info)
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == VD
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]
+    assert "target_embed" not in tensors and tensors["d2t"].dtype == torch.int64
+    args, state = eagle3_from_export(tensors, config)
+    back = Eagle3Draft(args).double()
+    back.load_state_dict(state, strict=True)
+    for k, v in d.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    with pytest.raises(KeyError, match=r"missing keys \['lm_head.weight'\]"):
+        export_eagle3({k: v for k, v in d.state_dict().items() if k != "lm_head.weight"}, d.args, info)
+    with pytest.raises(ValueError, match="not an EAGLE-3 draft"):
+        eagle3_from_export(tensors, {**config, "architectures": ["DFlashDraftModel"]})
+
+
+@torch.no_grad()
+def test_decoding_chain_equals_the_training_steps():
+    """After committing x_0 .. x_n and proposing from x_{n+1}... the chain's step j, fed the gold
+    tokens, is training's step j at position n (the newest position with features)."""
+    from models.eagle3.objective import _shift
+
+    d, f = _draft(), _features(seq=12)
+    f = TargetFeatures(input_ids=f.input_ids[:1], loss_mask=f.loss_mask[:1], valid_lengths=torch.tensor([12]),
+                       aux_hidden=f.aux_hidden[:1], last_hidden=f.last_hidden[:1])
+    a, ids = d.args, f.input_ids[0]
+    # training's per-step outputs, by running the objective's loop pieces
+    hidden, past, steps = d.fuse(f.aux_hidden), [], []
+    pos = torch.arange(12)[None]
+    for i in range(a.ttt_steps):
+        mask = dense_mask_from_mask_mod(ttt_mask_mod(12, f.valid_lengths), 1, 12, (i + 1) * 12, "cpu")
+        out, kv = d.midlayer(d.embed(_shift(f.input_ids, 1 + i), torch.float64), hidden,
+                             d.rope(pos + i, torch.float64), past, mask)
+        past.append(kv)
+        steps.append(out)
+        hidden = out
+    n = 6
+    prop = Eagle3Proposer(d, num_draft_tokens=a.ttt_steps)
+    prop.commit(ids[:3], f.aux_hidden[0, :3])  # committed in pieces, as decoding does
+    prop.commit(ids[3 : n + 1], f.aux_hidden[0, 3 : n + 1])
+    picks, outs = prop.chain(int(ids[n + 1]), forced=[int(ids[n + 2 + j]) for j in range(a.ttt_steps - 1)])
+    for j, out in enumerate(outs):
+        torch.testing.assert_close(out[0, 0], steps[j][0, n], rtol=0, atol=1e-12)
+    assert prop.length == n + 1  # every committed position's step-0 entry is context now
