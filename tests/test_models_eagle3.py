@@ -205,3 +205,23 @@ def test_decoding_chain_equals_the_training_steps():
     for j, out in enumerate(outs):
         torch.testing.assert_close(out[0, 0], steps[j][0, n], rtol=0, atol=1e-12)
     assert prop.length == n + 1  # every committed position's step-0 entry is context now
+
+
+def test_flops_count_every_linear_once_per_step():
+    from torch import nn
+
+    from models.eagle3 import eagle3_flops
+    from titan_draft.protocols.model_spec import get_model_spec
+
+    args = replace(eagle3_flavors["debugmodel"], target_layer_ids=[1, 2, 3], vocab_size=1000)
+    with torch.device("meta"):
+        model = Eagle3Draft(args)
+    seq, bsz, k = 128, 3, args.ttt_steps
+    # independent count from the instantiated modules: fc runs once, every other Linear (the
+    # decoder layer and the draft lm_head) once per TTT step
+    linear = sum(6 * seq * m.in_features * m.out_features * (1 if name == "fc" else k)
+                 for name, m in model.named_modules() if isinstance(m, nn.Linear))
+    attn = sum(12 * seq * (seq / 2 + j) * args.num_attention_heads * args.head_dim for j in range(k))
+    teacher = 2 * seq * args.hidden_size * args.vocab_size
+    assert eagle3_flops(args, bsz, seq) == pytest.approx(bsz * (linear + attn + teacher), rel=1e-12)
+    assert get_model_spec("eagle3").flops_fn is eagle3_flops

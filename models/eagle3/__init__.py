@@ -7,6 +7,7 @@ from models.eagle3.model import Eagle3Draft
 from models.eagle3.parallelize import FLOAT8_SKIP, parallelize_eagle3
 from models.eagle3.prepare import prepare_eagle3
 from models.eagle3.proposal import Eagle3Proposer
+from models.eagle3.flops import eagle3_flops
 from titan_draft.protocols.model_spec import ModelSpec, register_model_spec
 
 register_model_spec(
@@ -23,7 +24,8 @@ register_model_spec(
         float8_skip=FLOAT8_SKIP,
         build_proposer_fn=Eagle3Proposer,
         from_export_fn=eagle3_from_export,
+        flops_fn=eagle3_flops,
     )
 )
 
-__all__ = ["Eagle3Args", "Eagle3Draft", "Eagle3Proposer", "eagle3_capture_layers", "eagle3_flavors"]
+__all__ = ["Eagle3Args", "Eagle3Draft", "Eagle3Proposer", "eagle3_capture_layers", "eagle3_flavors", "eagle3_flops"]
