@@ -1,0 +1,122 @@
+"""Speculative *sampling* at temperature T > 0, and the plain sampling it must equal in distribution.
+
+Greedy speculative decoding (``speculative.py``) is checked token for token. At T > 0 the target's
+output is random, so what must hold is that speculative decoding draws every sequence with the
+probability plain sampling gives it (the rejection rule of Leviathan et al. / Chen et al.). Our
+proposers draft deterministically (their greedy chain), i.e. the draft distribution q_i is a point
+mass on the drafted token d_i, for which the rule reads: with p_i the target's tempered
+distribution after the i-th input of the verify pass,
+
+- accept d_i with probability min(1, p_i(d_i) / q_i(d_i)) = p_i(d_i);
+- at the first rejection, draw the round's last token from the residual max(p_i - q_i, 0),
+  renormalized, which is p_i with d_i removed;
+- if all n drafts are accepted, draw the bonus token from p_n.
+
+Then P(first new token = t) = p_0(d_0) [t = d_0] + (1 - p_0(d_0)) p_0(t) / (1 - p_0(d_0)) [t != d_0]
+= p_0(t), and so on along the sequence: the output is distributed exactly as plain sampling's.
+τ is counted as in the greedy loop (tokens produced by verification rounds / rounds).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from titan_draft.components.speculative import Generation, _cut, _sync
+from titan_draft.protocols.proposer import Proposer
+
+
+def tempered_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``softmax(logits / T)`` in float32 (float64 inputs stay float64)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return torch.softmax(logits.to(dtype) / temperature, dim=-1)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def verify_sampled(draft: torch.Tensor, probs: torch.Tensor,
+                   generator: torch.Generator | None = None) -> tuple[int, int]:
+    """One round's rejection rule (module docstring) for deterministic drafts.
+
+    Args:
+        draft: ``[n]`` drafted tokens.
+        probs: ``[n + 1, V]`` the target's tempered distributions after each verify input (the
+            committed token, then each drafted token).
+        generator: the sampling stream (CPU).
+
+    Returns:
+        ``(m, token)``: the number of accepted drafts and the round's own last token (the
+        residual draw at the first rejection, else the bonus draw from ``probs[n]``).
+    """
+    n = draft.numel()
+    u = torch.rand(n, generator=generator, dtype=probs.dtype, device=probs.device)
+    p_draft = probs[torch.arange(n, device=probs.device), draft]
+    for i in range(n):
+        if u[i] >= p_draft[i]:
+            residual = probs[i].clone()
+            residual[draft[i]] = 0.0
+            return i, _draw(residual / residual.sum(), generator)
+    return n, _draw(probs[n], generator)
+
+
+@torch.no_grad()
+def sample_decode(target, prompt: list[int], max_new_tokens: int, stop_ids, device: torch.device, *,
+                  temperature: float, generator: torch.Generator | None = None) -> Generation:
+    """Plain sampling at ``temperature`` with a KV cache, one token per target forward."""
+    stop = frozenset(stop_ids)
+    _sync(device)
+    start = time.perf_counter()
+    cache = target.new_cache(1, len(prompt) + max_new_tokens)
+    inp = torch.tensor([prompt], device=device)
+    tokens: list[int] = []
+    while len(tokens) < max_new_tokens and not (tokens and tokens[-1] in stop):
+        logits = target(inp, cache=cache, logits="last", need_last_hidden=False).logits[0, -1]
+        tokens.append(_draw(tempered_probs(logits, temperature).cpu(), generator))
+        inp = torch.tensor([[tokens[-1]]], device=device)
+    _sync(device)
+    return Generation(tokens=tokens, wall_s=time.perf_counter() - start)
+
+
+@torch.no_grad()
+def speculative_sample(target, proposer: Proposer, prompt: list[int], max_new_tokens: int, stop_ids,
+                       device: torch.device, *, temperature: float,
+                       generator: torch.Generator | None = None) -> Generation:
+    """Speculative sampling (module docstring) of ``prompt`` with ``proposer``'s drafts."""
+    stop = frozenset(stop_ids)
+    layers, need_last = proposer.capture_layers, proposer.needs_last_hidden
+    max_len = len(prompt) + max_new_tokens + proposer.num_draft_tokens + 1
+    _sync(device)
+    start = time.perf_counter()
+    cache = target.new_cache(1, max_len)
+    proposer.reset(max_len)
+    inp = torch.tensor(prompt, device=device)
+    step = target(inp[None], layers, need_last, cache=cache, logits="last")
+    proposer.commit(inp, step.aux[0], step.last_hidden[0] if need_last else None)
+    first = _draw(tempered_probs(step.logits[0, -1], temperature).cpu(), generator)
+    tokens, done = _cut([first], max_new_tokens, stop)
+    out = Generation(tokens=tokens, wall_s=0.0)
+    if max_new_tokens <= 0:
+        out.tokens, done = [], True
+    while not done:
+        last = out.tokens[-1]
+        draft = proposer.propose(last).to(device=device, dtype=torch.long).flatten()
+        n = draft.numel()
+        inp = torch.cat([torch.tensor([last], device=device), draft])
+        step = target(inp[None], layers, need_last, cache=cache, logits="all")
+        probs = tempered_probs(step.logits[0], temperature).cpu()
+        m, token = verify_sampled(draft.cpu(), probs, generator)
+        cache.crop(cache.length - (n - m))
+        proposer.commit(inp[: m + 1], step.aux[0, : m + 1],
+                        step.last_hidden[0, : m + 1] if need_last else None)
+        out.rounds += 1
+        out.accepted.append(m)
+        out.proposed.append(n)
+        out.tokens, done = _cut(out.tokens + draft[:m].tolist() + [token], max_new_tokens, stop)
+    _sync(device)
+    out.wall_s = time.perf_counter() - start
+    return out
