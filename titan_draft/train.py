@@ -78,8 +78,9 @@ class Trainer:
         self.cfg = cfg
         self.dist = init_distributed(cfg)
         self.device = self.dist.device
-        self.parallel_dims = ParallelDims(dp_shard=cfg.parallelism.data_parallel_shard_degree, world_size=self.dist.world_size)
-        self.dp_mesh = self.parallel_dims.build_mesh(self.device.type)
+        self.parallel_dims = ParallelDims.from_config(cfg, world_size=self.dist.world_size)
+        self.parallel_dims.build_mesh(self.device.type)
+        self.dp_mesh = self.parallel_dims.dp_mesh
         self.dp_rank, self.dp_world = self.dist.rank, self.dist.world_size
         on_gpu = self.device.type == "cuda"
         set_seed(cfg.training.seed)
@@ -89,7 +90,7 @@ class Trainer:
 
         # Target: built on the meta device, sharded, then each rank loads only its shard.
         target_dtype = cfg.target.dtype if on_gpu else "float32"  # CPU runs everything in fp32
-        self.target = build_target(cfg, self.device, to_dtype(target_dtype), mesh=self.dp_mesh)
+        self.target = build_target(cfg, self.device, to_dtype(target_dtype), mesh=self.parallel_dims.shard_mesh)
         self.tokenizer = build_target_tokenizer(cfg, self.target.args.vocab_size)
         self.model_args = resolve_model_args(self.spec, cfg, self.target.args, self.tokenizer)
         self.layer_ids = list(self.spec.capture_layers_fn(self.model_args))
@@ -152,6 +153,7 @@ class Trainer:
             "device": str(self.device),
             "backend": self.dist.backend,
             "world_size": self.dp_world,
+            "parallelism": {"dp_replicate": self.parallel_dims.dp_replicate, "dp_shard": self.parallel_dims.dp_shard},
             "draft": f"{cfg.model.name}/{cfg.model.flavor}",
             "draft_trainable_params": n_params,
             "target": self.target.source,

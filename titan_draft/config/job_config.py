@@ -150,7 +150,12 @@ class LRScheduler:
 @dataclass
 class Parallelism:
     data_parallel_shard_degree: int = -1
-    """FSDP2 shard degree; -1 uses all ranks (the only supported layout for now)."""
+    """FSDP2 shard degree: ranks that share one copy of the parameters; -1: the world size
+    divided by data_parallel_replicate_degree."""
+    data_parallel_replicate_degree: int = 1
+    """HSDP: groups of data_parallel_shard_degree ranks that each hold a full sharded copy and
+    all-reduce gradients between them (e.g. the node count, when sharding across nodes costs
+    more than it saves). 1: plain FSDP over all ranks."""
     fsdp_reshard_after_forward: str = "default"
     """'default', 'always' or 'never' (keep unsharded params between forward and backward)."""
 

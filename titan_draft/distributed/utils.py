@@ -116,25 +116,36 @@ def destroy_distributed() -> None:
 
 @dataclass
 class ParallelDims:
-    """The parallel layout. Only FSDP over all ranks (a 1-D 'dp_shard' mesh) exists for now."""
+    """The parallel layout: data parallel over all ranks, as FSDP2 over a 1-D ``dp_shard`` mesh,
+    or HSDP over a 2-D ``(dp_replicate, dp_shard)`` mesh (parameters sharded within a group of
+    ``dp_shard`` ranks, e.g. one node, and replicated across the ``dp_replicate`` groups, whose
+    gradients are all-reduced). Every rank reads different data either way."""
 
     dp_shard: int
     world_size: int
+    dp_replicate: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world size must be >= 1, got {self.world_size}")
-        if self.dp_shard == -1:
-            self.dp_shard = self.world_size
-        if self.dp_shard < 1 or self.dp_shard != self.world_size:
+        if self.dp_replicate < 1 or self.world_size % self.dp_replicate:
             raise ValueError(
-                f"parallelism.data_parallel_shard_degree = {self.dp_shard} must be -1 or equal to "
-                f"the world size {self.world_size} (FSDP over all ranks is the only layout)")
+                f"parallelism.data_parallel_replicate_degree = {self.dp_replicate} must be >= 1 and "
+                f"divide the world size {self.world_size}")
+        if self.dp_shard == -1:
+            self.dp_shard = self.world_size // self.dp_replicate
+        if self.dp_shard < 1 or self.dp_shard * self.dp_replicate != self.world_size:
+            raise ValueError(
+                f"parallelism.data_parallel_shard_degree = {self.dp_shard} times "
+                f"data_parallel_replicate_degree = {self.dp_replicate} must equal the world size "
+                f"{self.world_size} (shard -1: the world size / replicate degree)")
 
     @classmethod
     def from_config(cls, job_config: Any, world_size: int) -> "ParallelDims":
-        return cls(dp_shard=job_config.parallelism.data_parallel_shard_degree, world_size=world_size)
+        p = job_config.parallelism
+        return cls(dp_shard=p.data_parallel_shard_degree, world_size=world_size,
+                   dp_replicate=p.data_parallel_replicate_degree)
 
     @property
     def dp_shard_enabled(self) -> bool:
@@ -142,12 +153,20 @@ class ParallelDims:
         return self.dp_shard > 1
 
     @property
+    def hsdp(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
     def dp_size(self) -> int:
-        """Ranks that see different data."""
-        return self.dp_shard
+        """Ranks that see different data (all of them)."""
+        return self.dp_shard * self.dp_replicate
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        self._mesh = init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
+        if self.hsdp:
+            self._mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard),
+                                          mesh_dim_names=("dp_replicate", "dp_shard"))
+        else:
+            self._mesh = init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
         return self._mesh
 
     @property
@@ -158,6 +177,14 @@ class ParallelDims:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
+        """The mesh ``fully_shard`` takes: 2-D for HSDP (replicate, shard), else 1-D."""
+        mesh = self.world_mesh
+        return mesh[("dp_replicate", "dp_shard")] if self.hsdp else mesh["dp_shard"]
+
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1-D ``dp_shard`` mesh: a frozen module (the target) is sharded within each
+        replicate group only, since it has no gradients to all-reduce across groups."""
         return self.world_mesh["dp_shard"]
 
 
