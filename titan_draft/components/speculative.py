@@ -83,10 +83,29 @@ def greedy_decode(target, prompt: list[int], max_new_tokens: int, stop_ids, devi
     return Generation(tokens=tokens, wall_s=time.perf_counter() - start, margins=margins)
 
 
+class GreedyRule:
+    """How a round's tokens are chosen from the target's logits: the greedy rule (module
+    docstring). ``speculative_sampling.SampledRule`` is the T > 0 one."""
+
+    def first(self, logits: torch.Tensor) -> int:
+        """The prefill's token from the logits ``[V]`` after the prompt."""
+        return int(logits.argmax())
+
+    def verify(self, draft: torch.Tensor, logits: torch.Tensor) -> tuple[int, list[int]]:
+        """``(accepted drafts m, the round's m + 1 tokens)`` from ``draft [n]`` and the logits
+        ``[n + 1, V]`` after the verify pass's inputs."""
+        choice = logits.argmax(dim=-1)  # the target's token after each input token
+        n = draft.numel()
+        m = int((draft == choice[:n]).to(torch.long).cumprod(0).sum()) if n else 0
+        return m, choice[: m + 1].tolist()
+
+
 @torch.no_grad()
 def speculative_decode(target, proposer: Proposer, prompt: list[int], max_new_tokens: int, stop_ids,
-                       device: torch.device) -> Generation:
-    """Greedy speculative decoding (module docstring) of ``prompt`` with ``proposer``'s drafts."""
+                       device: torch.device, rule=None) -> Generation:
+    """Speculative decoding (module docstring) of ``prompt`` with ``proposer``'s drafts; greedy
+    unless ``rule`` (``first``/``verify``, as :class:`GreedyRule`) says otherwise."""
+    rule = GreedyRule() if rule is None else rule
     stop = frozenset(stop_ids)
     layers, need_last = proposer.capture_layers, proposer.needs_last_hidden
     max_len = len(prompt) + max_new_tokens + proposer.num_draft_tokens + 1
@@ -97,7 +116,7 @@ def speculative_decode(target, proposer: Proposer, prompt: list[int], max_new_to
     inp = torch.tensor(prompt, device=device)
     step = target(inp[None], layers, need_last, cache=cache, logits="last")
     proposer.commit(inp, step.aux[0], step.last_hidden[0] if need_last else None)
-    tokens, done = _cut([int(step.logits[0, -1].argmax())], max_new_tokens, stop)
+    tokens, done = _cut([rule.first(step.logits[0, -1])], max_new_tokens, stop)
     out = Generation(tokens=tokens, wall_s=0.0)
     if max_new_tokens <= 0:
         out.tokens, done = [], True
@@ -107,16 +126,14 @@ def speculative_decode(target, proposer: Proposer, prompt: list[int], max_new_to
         n = draft.numel()
         inp = torch.cat([torch.tensor([last], device=device), draft])
         step = target(inp[None], layers, need_last, cache=cache, logits="all")
-        choice = step.logits[0].argmax(dim=-1)  # the target's token after each input token
-        agree = (draft == choice[:n]).to(torch.long)
-        m = int(agree.cumprod(0).sum()) if n else 0
+        m, new = rule.verify(draft, step.logits[0])
         cache.crop(cache.length - (n - m))
         proposer.commit(inp[: m + 1], step.aux[0, : m + 1],
                         step.last_hidden[0, : m + 1] if need_last else None)
         out.rounds += 1
         out.accepted.append(m)
         out.proposed.append(n)
-        out.tokens, done = _cut(out.tokens + choice[: m + 1].tolist(), max_new_tokens, stop)
+        out.tokens, done = _cut(out.tokens + new, max_new_tokens, stop)
     _sync(device)
     out.wall_s = time.perf_counter() - start
     return out

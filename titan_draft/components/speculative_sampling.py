@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from titan_draft.components.speculative import Generation, _cut, _sync
+from titan_draft.components.speculative import Generation, _sync, speculative_decode
 from titan_draft.protocols.proposer import Proposer
 
 
@@ -82,41 +82,25 @@ def sample_decode(target, prompt: list[int], max_new_tokens: int, stop_ids, devi
     return Generation(tokens=tokens, wall_s=time.perf_counter() - start)
 
 
-@torch.no_grad()
+class SampledRule:
+    """The T > 0 rule for ``speculative.speculative_decode`` (module docstring)."""
+
+    def __init__(self, temperature: float, generator: torch.Generator | None = None):
+        tempered_probs(torch.zeros(1), temperature)  # refuses T <= 0 at once
+        self.temperature, self.generator = temperature, generator
+
+    def first(self, logits: torch.Tensor) -> int:
+        return _draw(tempered_probs(logits, self.temperature).cpu(), self.generator)
+
+    def verify(self, draft: torch.Tensor, logits: torch.Tensor) -> tuple[int, list[int]]:
+        draft = draft.cpu()
+        m, token = verify_sampled(draft, tempered_probs(logits, self.temperature).cpu(), self.generator)
+        return m, draft[:m].tolist() + [token]
+
+
 def speculative_sample(target, proposer: Proposer, prompt: list[int], max_new_tokens: int, stop_ids,
                        device: torch.device, *, temperature: float,
                        generator: torch.Generator | None = None) -> Generation:
     """Speculative sampling (module docstring) of ``prompt`` with ``proposer``'s drafts."""
-    stop = frozenset(stop_ids)
-    layers, need_last = proposer.capture_layers, proposer.needs_last_hidden
-    max_len = len(prompt) + max_new_tokens + proposer.num_draft_tokens + 1
-    _sync(device)
-    start = time.perf_counter()
-    cache = target.new_cache(1, max_len)
-    proposer.reset(max_len)
-    inp = torch.tensor(prompt, device=device)
-    step = target(inp[None], layers, need_last, cache=cache, logits="last")
-    proposer.commit(inp, step.aux[0], step.last_hidden[0] if need_last else None)
-    first = _draw(tempered_probs(step.logits[0, -1], temperature).cpu(), generator)
-    tokens, done = _cut([first], max_new_tokens, stop)
-    out = Generation(tokens=tokens, wall_s=0.0)
-    if max_new_tokens <= 0:
-        out.tokens, done = [], True
-    while not done:
-        last = out.tokens[-1]
-        draft = proposer.propose(last).to(device=device, dtype=torch.long).flatten()
-        n = draft.numel()
-        inp = torch.cat([torch.tensor([last], device=device), draft])
-        step = target(inp[None], layers, need_last, cache=cache, logits="all")
-        probs = tempered_probs(step.logits[0], temperature).cpu()
-        m, token = verify_sampled(draft.cpu(), probs, generator)
-        cache.crop(cache.length - (n - m))
-        proposer.commit(inp[: m + 1], step.aux[0, : m + 1],
-                        step.last_hidden[0, : m + 1] if need_last else None)
-        out.rounds += 1
-        out.accepted.append(m)
-        out.proposed.append(n)
-        out.tokens, done = _cut(out.tokens + draft[:m].tolist() + [token], max_new_tokens, stop)
-    _sync(device)
-    out.wall_s = time.perf_counter() - start
-    return out
+    return speculative_decode(target, proposer, prompt, max_new_tokens, stop_ids, device,
+                              rule=SampledRule(temperature, generator))
