@@ -10,28 +10,15 @@ import sys
 
 import torch.distributed as dist
 
-from titan_draft.config import ConfigManager
+from trainer_runs import run_training  # tests/ is this script's sys.path[0]
 from titan_draft.distributed.utils import destroy_distributed
-from titan_draft.train import Trainer
 
 
 def train(argv: list[str], crash_after_step: int | None = None) -> dict[int, float]:
-    trainer = Trainer(ConfigManager().parse_args(argv))
-    if crash_after_step is not None:
-        save = trainer.checkpointer.save
-
-        def save_then_stop(step, **kw):
-            save(step, **kw)
-            if step == crash_after_step:
-                raise KeyboardInterrupt("simulated kill")
-
-        trainer.checkpointer.save = save_then_stop
     try:
-        return trainer.train()
+        return run_training(argv, crash_after_step, keep_process_group=True)
     except KeyboardInterrupt:
         return {}
-    finally:
-        trainer.close()  # the process group stays for the next run
 
 
 def main() -> None:

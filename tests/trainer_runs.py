@@ -7,9 +7,12 @@ from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.train import Trainer
 
 
-def run_training(argv: list[str], crash_after_step: int | None = None) -> dict[int, float]:
+def run_training(argv: list[str], crash_after_step: int | None = None,
+                 keep_process_group: bool = False) -> dict[int, float]:
     """Train the job of ``argv``; the global loss of every logged step. With
-    ``crash_after_step`` the run dies (KeyboardInterrupt) right after saving that step."""
+    ``crash_after_step`` the run dies (KeyboardInterrupt) right after saving that step.
+    ``keep_process_group``: leave torch.distributed up for the next run (several jobs in one
+    torchrun launch)."""
     trainer = Trainer(ConfigManager().parse_args(argv))
     if crash_after_step is not None:
         save = trainer.checkpointer.save
@@ -24,4 +27,5 @@ def run_training(argv: list[str], crash_after_step: int | None = None) -> dict[i
         return trainer.train()
     finally:
         trainer.close()
-        destroy_distributed()
+        if not keep_process_group:
+            destroy_distributed()

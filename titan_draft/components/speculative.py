@@ -64,8 +64,10 @@ def _cut(tokens: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> tu
 
 
 @torch.no_grad()
-def greedy_decode(target, prompt: list[int], max_new_tokens: int, stop_ids, device: torch.device) -> Generation:
-    """Plain greedy decoding with a KV cache, one token per target forward."""
+def greedy_decode(target, prompt: list[int], max_new_tokens: int, stop_ids, device: torch.device,
+                  rule=None) -> Generation:
+    """Plain decoding with a KV cache, one token per target forward: greedy (with every step's
+    top-2 margin), or the token ``rule.first`` picks (e.g. sampling)."""
     stop = frozenset(stop_ids)
     _sync(device)
     start = time.perf_counter()
@@ -75,10 +77,13 @@ def greedy_decode(target, prompt: list[int], max_new_tokens: int, stop_ids, devi
     margins: list[float] = []
     while len(tokens) < max_new_tokens and not (tokens and tokens[-1] in stop):
         logits = target(inp, cache=cache, logits="last", need_last_hidden=False).logits[0, -1].float()
-        top = logits.topk(2)
-        margins.append(float(top.values[0] - top.values[1]))
-        tokens.append(int(top.indices[0]))
-        inp = top.indices[:1].view(1, 1)
+        if rule is None:
+            top = logits.topk(2)
+            margins.append(float(top.values[0] - top.values[1]))
+            tokens.append(int(top.indices[0]))
+        else:
+            tokens.append(rule.first(logits))
+        inp = torch.tensor([[tokens[-1]]], device=device)
     _sync(device)
     return Generation(tokens=tokens, wall_s=time.perf_counter() - start, margins=margins)
 

@@ -19,11 +19,9 @@ Then P(first new token = t) = p_0(d_0) [t = d_0] + (1 - p_0(d_0)) p_0(t) / (1 - 
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from titan_draft.components.speculative import Generation, _sync, speculative_decode
+from titan_draft.components.speculative import Generation, greedy_decode, speculative_decode
 from titan_draft.protocols.proposer import Proposer
 
 
@@ -64,22 +62,10 @@ def verify_sampled(draft: torch.Tensor, probs: torch.Tensor,
     return n, _draw(probs[n], generator)
 
 
-@torch.no_grad()
 def sample_decode(target, prompt: list[int], max_new_tokens: int, stop_ids, device: torch.device, *,
                   temperature: float, generator: torch.Generator | None = None) -> Generation:
     """Plain sampling at ``temperature`` with a KV cache, one token per target forward."""
-    stop = frozenset(stop_ids)
-    _sync(device)
-    start = time.perf_counter()
-    cache = target.new_cache(1, len(prompt) + max_new_tokens)
-    inp = torch.tensor([prompt], device=device)
-    tokens: list[int] = []
-    while len(tokens) < max_new_tokens and not (tokens and tokens[-1] in stop):
-        logits = target(inp, cache=cache, logits="last", need_last_hidden=False).logits[0, -1]
-        tokens.append(_draw(tempered_probs(logits, temperature).cpu(), generator))
-        inp = torch.tensor([[tokens[-1]]], device=device)
-    _sync(device)
-    return Generation(tokens=tokens, wall_s=time.perf_counter() - start)
+    return greedy_decode(target, prompt, max_new_tokens, stop_ids, device, rule=SampledRule(temperature, generator))
 
 
 class SampledRule:
