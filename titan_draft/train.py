@@ -19,6 +19,7 @@ from titan_draft.components.export import export_draft
 from titan_draft.components.float8 import Float8Converter
 from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.metrics import MetricsLogger, get_peak_flops
+from titan_draft.components.nonfinite import NonFiniteError, build_nonfinite_guard
 from titan_draft.components.optimizer import build_optimizer
 from titan_draft.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titan_draft.components.target import (
@@ -142,6 +143,7 @@ class Trainer:
             dp_rank=self.dp_rank,
             dp_world=self.dp_world,
         )
+        self.nonfinite = build_nonfinite_guard(cfg.training, self.model, self.checkpointer.describe_last)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device.type)
         self.evaluator = Evaluator(cfg, self.spec, self.model_args, self.target.model, self.tokenizer, self.device,
                                    reserved_ids=self.reserved_tokens)
@@ -252,10 +254,14 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"), foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.float8.post_optimizer_hook(self.model)
+        applied = self.nonfinite.allow_update(step, flat[0], grad_norm)  # raises to stop
+        if applied:
+            self.optimizer.step()
+            self.float8.post_optimizer_hook(self.model)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        return {"flat": flat, "names": names, "grad_norm": grad_norm}
+        return {"flat": flat, "names": names, "grad_norm": grad_norm, "applied": applied}
 
     # ---- loop ----
 
@@ -310,6 +316,8 @@ class Trainer:
                     if step in (start + 1, self.total_steps):
                         logger.info(f"data rows skipped so far on DP rank {self.dp_rank}: {skipped}")
                     window = _LogWindow()
+                if self.checkpointer.should_save(step, force=step == self.total_steps):
+                    self.nonfinite.check_params(step)  # a non-finite checkpoint is never written
                 self.checkpointer.save(step, force=step == self.total_steps)
                 self._maybe_eval(step, out)
                 if prof is not None:
@@ -363,6 +371,9 @@ def main(argv: list[str] | None = None) -> None:
     trainer = Trainer(cfg)
     try:
         trainer.train()
+    except NonFiniteError as e:  # the line says what went non-finite and what is kept
+        print(f"titan_draft: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     finally:
         trainer.close()
         destroy_distributed()

@@ -219,6 +219,13 @@ class CheckpointManager:
             (complete if is_complete(self.step_folder(step)) else incomplete).append(step)
         return sorted(complete), sorted(incomplete)
 
+    def describe_last(self) -> str:
+        """A phrase naming the newest complete checkpoint on disk (for lines that say what is kept)."""
+        complete, _ = self.list_steps()
+        if not complete:
+            return "no checkpoint was saved" if self.cfg.enable else "checkpointing is off"
+        return f"the last good checkpoint is {self.step_folder(complete[-1])}"
+
     # ---- save ---------------------------------------------------------------------------------
 
     def should_save(self, step: int, *, force: bool = False) -> bool:

@@ -115,6 +115,13 @@ class Training:
     """FSDP2 parameter dtype for compute (float32 keeps everything in fp32; CPU uses float32)."""
     mixed_precision_reduce: str = "float32"
     """FSDP2 gradient reduce dtype."""
+    nonfinite: str = "stop"
+    """What a step whose global loss or gradient norm is NaN or inf does: 'stop' ends the run at
+    once (nothing of that step is applied or saved; the last checkpoint stays the last good one),
+    'skip' drops that step's update (no optimizer step; data and lr move on) and stops only after
+    `nonfinite_max_skips` such steps in a row."""
+    nonfinite_max_skips: int = 3
+    """With nonfinite = 'skip': this many non-finite steps in a row stop the run."""
 
 
 @dataclass
