@@ -22,6 +22,7 @@ from titan_draft.components.metrics import MetricsLogger, get_peak_flops
 from titan_draft.components.nonfinite import NonFiniteError, build_nonfinite_guard
 from titan_draft.components.optimizer import build_optimizer
 from titan_draft.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from titan_draft.components.signals import maybe_handle_stop_signals
 from titan_draft.components.target import (
     build_target,
     build_target_tokenizer,
@@ -275,7 +276,8 @@ class Trainer:
         losses: dict[int, float] = {}
         accum = cfg.training.grad_accum_steps
         window = _LogWindow()
-        with maybe_enable_profiling(cfg.profiling, cfg.job.dump_folder, self.train_state.step, self.dist.rank) as prof, \
+        self.stop_line = ""  # set when a stop signal ended the run early
+        with maybe_handle_stop_signals(self.device) as stop, maybe_enable_profiling(cfg.profiling, cfg.job.dump_folder, self.train_state.step, self.dist.rank) as prof, \
                 maybe_enable_memory_snapshot(cfg.profiling, cfg.job.dump_folder, self.train_state.step, self.dist.rank) as snap:
             while self.train_state.step < self.total_steps:
                 t0 = time.perf_counter()
@@ -319,6 +321,9 @@ class Trainer:
                 if self.checkpointer.should_save(step, force=step == self.total_steps):
                     self.nonfinite.check_params(step)  # a non-finite checkpoint is never written
                 self.checkpointer.save(step, force=step == self.total_steps)
+                if stop.requested():  # SIGTERM/SIGINT: this step is done; save it and leave
+                    self._stop_after(step, stop.name)
+                    break
                 self._maybe_eval(step, out)
                 if prof is not None:
                     prof.step()
@@ -327,7 +332,7 @@ class Trainer:
                 if step == start + 1 and self.dist.world_size > 1:
                     # start-up (compile, first collectives) is over: use the shorter timeout
                     set_pg_timeout(cfg.comm.train_timeout_seconds)
-        if cfg.checkpoint.export:
+        if cfg.checkpoint.export and not self.stop_line:
             out_dir = os.path.join(cfg.job.dump_folder, cfg.checkpoint.export_folder)
             export_draft(
                 self.model,
@@ -341,6 +346,16 @@ class Trainer:
             )
             logger.info(f"exported draft to {out_dir}")
         return losses
+
+    def _stop_after(self, step: int, signal_name: str) -> None:
+        """Save ``step`` (if not saved yet) and set the line that tells where to resume."""
+        if self.checkpointer.should_save(step, force=True):
+            self.nonfinite.check_params(step)
+        saved = self.checkpointer.save(step, force=True) or self.checkpointer.is_saved(step)
+        where = (f"checkpoint {self.checkpointer.step_folder(step)} saved; run the same command again "
+                 f"to resume from step {step}" if saved else "checkpointing is off: nothing was saved")
+        self.stop_line = f"stopped by {signal_name} after step {step} of {self.total_steps}: {where} (no export written)"
+        logger.warning(self.stop_line)
 
     def _maybe_eval(self, step: int, out: dict) -> None:
         """The true τ (real speculative decoding) at eval steps, beside the simulated one."""
@@ -371,6 +386,8 @@ def main(argv: list[str] | None = None) -> None:
     trainer = Trainer(cfg)
     try:
         trainer.train()
+        if trainer.stop_line:  # a stop signal: exit 0, the last line says where to resume
+            print(f"titan_draft: {trainer.stop_line}", file=sys.stderr)
     except NonFiniteError as e:  # the line says what went non-finite and what is kept
         print(f"titan_draft: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None

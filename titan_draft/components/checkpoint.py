@@ -228,6 +228,10 @@ class CheckpointManager:
 
     # ---- save ---------------------------------------------------------------------------------
 
+    def is_saved(self, step: int) -> bool:
+        """Whether this run saved (or loaded) ``step`` last."""
+        return self.cfg.enable and step == self._last_saved_step
+
     def should_save(self, step: int, *, force: bool = False) -> bool:
         if not self.cfg.enable or step == self._last_saved_step:
             return False
