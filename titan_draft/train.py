@@ -34,6 +34,7 @@ from titan_draft.config.job_config import JobConfig
 from titan_draft.data.chat_template import resolve_template
 from titan_draft.data.pipeline import build_dataloader, epoch_samples
 from titan_draft.data.system_prompt import resolve_system_prompt
+from titan_draft.data.worker_errors import DataWorkerError
 from titan_draft.distributed.parallelize import mixed_precision_dtypes, to_dtype
 from titan_draft.distributed.utils import (
     ParallelDims,
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer.train()
         if trainer.stop_line:  # a stop signal: exit 0, the last line says where to resume
             print(f"titan_draft: {trainer.stop_line}", file=sys.stderr)
-    except NonFiniteError as e:  # the line says what went non-finite and what is kept
+    except (NonFiniteError, DataWorkerError) as e:  # the line says what failed and what is kept
         print(f"titan_draft: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:

@@ -22,6 +22,7 @@ from titan_draft.data.sources import SKIP_REASONS, load_rows
 from titan_draft.data.synthetic_source import build_synthetic_source, is_synthetic_source
 from titan_draft.data.system_prompt import resolve_system_prompt
 from titan_draft.data.tokenizer import Tokenizer
+from titan_draft.data.worker_errors import ForwardErrorsNode
 
 __all__ = ["ChatDataLoader", "build_dataloader", "collate_chat", "epoch_samples"]
 
@@ -88,8 +89,10 @@ class ChatDataLoader:
         dp_rank, dp_world: this rank's index and the DP size.
     """
 
-    def __init__(self, loader: tn.Loader, source: ChatSourceNode, *, dp_rank: int, dp_world: int):
+    def __init__(self, loader: tn.Loader, source: ChatSourceNode, *, dp_rank: int, dp_world: int,
+                 worker: Optional[ForwardErrorsNode] = None):
         self._loader = loader
+        self._worker = worker
         self._source = source
         self._it: Optional[Any] = None
         self.dp_rank = dp_rank
@@ -107,7 +110,12 @@ class ChatDataLoader:
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._it is None:
             self._it = iter(self._loader)
-        return next(self._it)
+        try:
+            return next(self._it)
+        except Exception:
+            if self._worker is not None and self._worker.failure is not None:
+                raise self._worker.failure  # the one-line error, not torchdata's re-wrapped copy
+            raise
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -204,10 +212,12 @@ def build_dataloader(
         pad_multiple=pad_multiple,
     )
     node = tn.Mapper(node, collate)
+    worker = None
     if data_cfg.prefetch_factor > 0:
+        worker = node = ForwardErrorsNode(node)  # whatever the thread raises reaches the loop
         # snapshot_frequency=1: a snapshot per batch, so a resume never replays or loses one.
         node = tn.Prefetcher(node, prefetch_factor=data_cfg.prefetch_factor, snapshot_frequency=1)
-    return ChatDataLoader(tn.Loader(node), source, dp_rank=dp_rank, dp_world=dp_world)
+    return ChatDataLoader(tn.Loader(node), source, dp_rank=dp_rank, dp_world=dp_world, worker=worker)
 
 
 def epoch_samples(data_cfg: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seed: int,
@@ -257,4 +267,7 @@ def _chat_source(data_cfg: Any, tokenizer: Tokenizer, template: str, *, dp_rank:
         enable_thinking=data_cfg.enable_thinking,
         last_turn_only=data_cfg.last_turn_only,
         reserved_ids=reserved_ids,
+        # rank r owns rows r, r + dp_world, ... after the held-out ones
+        describe_row=lambda i: (f"row {data_cfg.holdout_rows + i * dp_world + dp_rank} (0-based) of "
+                                f"data.source {data_cfg.source}"),
     )

@@ -7,7 +7,7 @@ skip counts); the permutation is recomputed from ``(seed, epoch)`` on resume rat
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torchdata.nodes as tn
@@ -15,6 +15,7 @@ import torchdata.nodes as tn
 from titan_draft.data.chat_template import render_chat
 from titan_draft.data.sources import normalize_row
 from titan_draft.data.tokenizer import Tokenizer
+from titan_draft.data.worker_errors import row_error
 
 __all__ = ["ChatSourceNode", "Sample", "STATE_KEY"]
 
@@ -58,6 +59,7 @@ class ChatSourceNode(tn.BaseNode[Sample]):
         shuffle: permute the rows each epoch; otherwise read them in source order.
         reserved_ids: token ids a usable row must not contain (a draft's mask token: a real
             special token where the target has no spare embedding row).
+        describe_row: names row ``i`` of ``rows`` in an error (e.g. its row number in the source).
 
     Unusable rows are skipped and counted per reason; the counts are cumulative over epochs (a
     bad row is counted again each time it comes round).
@@ -76,8 +78,10 @@ class ChatSourceNode(tn.BaseNode[Sample]):
         enable_thinking: bool = True,
         last_turn_only: bool = False,
         reserved_ids: frozenset[int] = frozenset(),
+        describe_row: Callable[[int], str] = lambda i: f"row {i} of this DP rank",
     ):
         super().__init__()
+        self.describe_row = describe_row
         self.reserved_ids = frozenset(reserved_ids)
         self.rows = rows
         self.tokenizer = tokenizer
@@ -145,13 +149,19 @@ class ChatSourceNode(tn.BaseNode[Sample]):
 
     def next(self) -> Sample:
         for _ in range(len(self.rows)):
-            row = self.rows[self._order[self._position]]
+            index = self._order[self._position]
+            row = self.rows[index]
             self._position += 1
             if self._position == len(self.rows):
                 # Roll over now so that the state always names the epoch of the next row.
                 self._set_epoch(self._epoch + 1)
                 self._position = 0
-            sample = self._sample(row)
+            try:
+                sample = self._sample(row)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # e.g. a Rust tokenizer panic: name the row, never hang
+                raise row_error(e, self.describe_row(index)) from e
             if not isinstance(sample, str):
                 return sample
             self._skip(sample)
