@@ -3,7 +3,9 @@
 Layout: ``{dump_folder}/{checkpoint.folder}/step-{N}/`` holding DCP's per-rank ``.distcp`` files
 and its ``.metadata``. DCP writes ``.metadata`` last (an atomic rename, after every rank's data is
 on disk), so a folder is a *complete* checkpoint iff ``.metadata`` exists; an interrupted save
-leaves a folder without it, which ``load`` skips with a warning.
+leaves a folder without it, which ``load`` skips with a warning. After DCP, rank 0 writes
+``integrity.json`` (every file's size and SHA-256, see checkpoint_integrity.py); a resume takes the
+newest checkpoint whose files still match it and names the ones it passed over and why.
 
 What is saved (top-level keys of the DCP state dict):
 
@@ -50,6 +52,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from titan_draft.components.checkpoint_integrity import (
+    RECORD,
+    broadcast_choice,
+    newest_verified,
+    verify_checkpoint,
+    write_integrity_record,
+)
 from titan_draft.config.job_config import Checkpoint as CheckpointConfig
 
 logger = logging.getLogger(__name__)
@@ -251,9 +260,13 @@ class CheckpointManager:
             # so that a crash mid-write leaves the folder incomplete instead of silently mixed.
             logger.warning("checkpoint: overwriting existing %s", path)
             os.remove(os.path.join(path, _METADATA))
+            if os.path.exists(os.path.join(path, RECORD)):
+                os.remove(os.path.join(path, RECORD))
         t0 = time.perf_counter()
         with _quiet_single_process():
             dcp.save(self.states, checkpoint_id=path)
+        if rank == 0:
+            write_integrity_record(path)
         self._last_saved_step = step
         logger.info("checkpoint: saved %s in %.2f s", path, time.perf_counter() - t0)
         # dcp.save returns on the coordinator (rank 0) only after .metadata is written, i.e. after
@@ -291,6 +304,9 @@ class CheckpointManager:
                     f"checkpoint step {requested} requested but {path} "
                     + ("has no .metadata (incomplete save)" if os.path.isdir(path) else "does not exist")
                 )
+            why = broadcast_choice(verify_checkpoint(path) if _global_rank() == 0 else None)
+            if why is not None and os.path.isfile(os.path.join(path, RECORD)):
+                raise RuntimeError(f"checkpoint step {requested} requested but {path} does not verify: {why}")
             newer = [s for s in complete if s > requested]
             if newer:
                 logger.warning(
@@ -307,7 +323,20 @@ class CheckpointManager:
                 "save?): %s",
                 ", ".join(self.step_folder(s) for s in incomplete),
             )
-        return complete[-1] if complete else None
+        chosen, skipped, verified = broadcast_choice(
+            newest_verified(complete, self.step_folder) if _global_rank() == 0 else None)
+        if skipped:
+            logger.warning("checkpoint: skipped %s; %s", ", ".join(skipped),
+                           f"resuming from step-{chosen}" if chosen is not None else "no checkpoint left")
+        if chosen is None and skipped:
+            raise RuntimeError(
+                f"checkpoint: none of the {len(skipped)} checkpoint(s) in {self.folder} verifies "
+                f"({'; '.join(skipped)}); refusing to start over on top of them: move them away to "
+                "start afresh")
+        if chosen is not None and not verified:
+            logger.warning("checkpoint: %s has no %s: resuming from it unverified",
+                           self.step_folder(chosen), RECORD)
+        return chosen
 
     def _check_dp_world(self, path: str) -> None:
         """Refuse a resume whose DP size differs from the one the dataloader state was saved with."""
