@@ -22,6 +22,7 @@ from titan_draft.components.metrics import MetricsLogger, get_peak_flops
 from titan_draft.components.nonfinite import NonFiniteError, build_nonfinite_guard
 from titan_draft.components.optimizer import build_optimizer
 from titan_draft.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from titan_draft.components.run_lock import RunLockError, maybe_acquire_run_lock
 from titan_draft.components.signals import maybe_handle_stop_signals
 from titan_draft.components.target import (
     build_target,
@@ -78,6 +79,14 @@ def resolve_model_args(spec, cfg: JobConfig, target_args, tokenizer):
 
 class Trainer:
     def __init__(self, cfg: JobConfig):
+        self.run_lock = None
+        try:
+            self._build(cfg)
+        except BaseException:
+            self._release_lock()  # a trainer that failed to start holds nothing
+            raise
+
+    def _build(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         self.dist = init_distributed(cfg)
         self.device = self.dist.device
@@ -87,6 +96,7 @@ class Trainer:
         on_gpu = self.device.type == "cuda"
         set_seed(cfg.training.seed)
         os.makedirs(cfg.job.dump_folder, exist_ok=True)
+        self.run_lock = maybe_acquire_run_lock(cfg.job.dump_folder, self.dist.rank == 0)  # before any write
 
         self.spec = get_model_spec(cfg.model.name)
 
@@ -370,8 +380,16 @@ class Trainer:
             scalars["eval/simulated_accept_len"] = num / den if den > 0 else 0.0
         self.metrics.add_scalars(step, scalars)
 
+    def _release_lock(self) -> None:
+        if self.run_lock is not None:
+            self.run_lock.release()
+            self.run_lock = None
+
     def close(self):
-        self.metrics.close()
+        try:
+            self.metrics.close()
+        finally:
+            self._release_lock()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -384,7 +402,11 @@ def main(argv: list[str] | None = None) -> None:
         # a bad job file or flag: one clear line, no traceback
         print(f"titan_draft: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except RunLockError as e:
+        print(f"titan_draft: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     try:
         trainer.train()
         if trainer.stop_line:  # a stop signal: exit 0, the last line says where to resume
