@@ -15,6 +15,7 @@ import time
 import torch
 
 from titan_draft.components.checkpoint import CheckpointManager, TrainState
+from titan_draft.components.checkpoint_errors import CheckpointSaveError
 from titan_draft.components.export import export_draft
 from titan_draft.components.float8 import Float8Converter
 from titan_draft.components.lr_scheduler import build_lr_scheduler
@@ -411,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer.train()
         if trainer.stop_line:  # a stop signal: exit 0, the last line says where to resume
             print(f"titan_draft: {trainer.stop_line}", file=sys.stderr)
-    except (NonFiniteError, DataWorkerError) as e:  # the line says what failed and what is kept
+    except (NonFiniteError, DataWorkerError, CheckpointSaveError) as e:  # the line says what failed and what is kept
         print(f"titan_draft: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     finally:

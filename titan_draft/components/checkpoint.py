@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from titan_draft.components.checkpoint_errors import CheckpointSaveError, describe_save_failure, remove_partial
 from titan_draft.components.checkpoint_integrity import (
     RECORD,
     broadcast_choice,
@@ -263,10 +264,16 @@ class CheckpointManager:
             if os.path.exists(os.path.join(path, RECORD)):
                 os.remove(os.path.join(path, RECORD))
         t0 = time.perf_counter()
-        with _quiet_single_process():
-            dcp.save(self.states, checkpoint_id=path)
-        if rank == 0:
-            write_integrity_record(path)
+        try:
+            with _quiet_single_process():
+                dcp.save(self.states, checkpoint_id=path)
+            if rank == 0:
+                write_integrity_record(path)
+        except (Exception, CheckpointException) as e:  # disk full, permissions: one line, no debris
+            if rank == 0:
+                remove_partial(path)
+            brief = _describe(e).splitlines()[0][:300]
+            raise CheckpointSaveError(describe_save_failure(e, brief, path, self.folder, self.describe_last())) from e
         self._last_saved_step = step
         logger.info("checkpoint: saved %s in %.2f s", path, time.perf_counter() - t0)
         # dcp.save returns on the coordinator (rank 0) only after .metadata is written, i.e. after
