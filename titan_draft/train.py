@@ -23,6 +23,7 @@ from titan_draft.components.metrics import MetricsLogger, get_peak_flops
 from titan_draft.components.nonfinite import NonFiniteError, build_nonfinite_guard
 from titan_draft.components.optimizer import build_optimizer
 from titan_draft.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from titan_draft.components.resume_guard import build_data_keys
 from titan_draft.components.run_lock import RunLockError, maybe_acquire_run_lock
 from titan_draft.components.signals import maybe_handle_stop_signals
 from titan_draft.components.target import (
@@ -145,6 +146,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, self.total_steps)
         self.train_state = TrainState()
+        template = resolve_template(cfg.data.chat_template, self.tokenizer)
         self.checkpointer = CheckpointManager(
             cfg.checkpoint,
             cfg.job.dump_folder,
@@ -155,6 +157,8 @@ class Trainer:
             train_state=self.train_state,
             dp_rank=self.dp_rank,
             dp_world=self.dp_world,
+            data_keys=build_data_keys(cfg, chat_template=template, dp_world=self.dp_world,
+                                      system_prompt=resolve_system_prompt(cfg.data.system_prompt, self.tokenizer, template)),
         )
         self.nonfinite = build_nonfinite_guard(cfg.training, self.model, self.checkpointer.describe_last)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device.type)
@@ -162,7 +166,6 @@ class Trainer:
                                    reserved_ids=self.reserved_tokens)
         self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device)) if on_gpu else None
 
-        template = resolve_template(cfg.data.chat_template, self.tokenizer)
         self.run_info = {
             "device": str(self.device),
             "backend": self.dist.backend,

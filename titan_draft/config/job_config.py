@@ -206,6 +206,12 @@ class Checkpoint:
     """Keep only the newest K checkpoints (0 keeps all)."""
     load_step: int = -1
     """Resume from this step's checkpoint instead of the newest (-1: newest)."""
+    reset_data_position: bool = False
+    """Resume from a checkpoint saved under other data keys (data.source, max_rows, holdout_rows,
+    max_length, shuffle, chat_template, system_prompt, enable_thinking, last_turn_only,
+    training.local_batch_size, grad_accum_steps, seed, or the DP size): the weights, optimizer,
+    lr schedule and step are restored and the data starts from the beginning. Without it such a
+    resume is refused, naming the keys."""
     export: bool = True
     """At the end, export the draft as safetensors + config.json in the serving contract."""
     export_folder: str = "export"
