@@ -124,6 +124,7 @@ class Trainer:
             static_shapes=cfg.training.static_shapes,
             pad_multiple=pad_multiple,
             reserved_ids=frozenset(self.reserved_tokens),
+            warn_below_rows=10 * cfg.training.local_batch_size * cfg.training.grad_accum_steps,
         )
         self.total_steps = self._total_steps()
 
@@ -327,11 +328,12 @@ class Trainer:
                         b0 = micro_batches[0]["input_ids"]
                         flops = self.spec.flops_fn(self.model_args, b0.shape[0], b0.shape[1]) * accum
                         scalars["mfu"] = 100.0 * flops / (elapsed / window.steps) / self.peak_flops
-                    skipped = self.dataloader.skip_counts
+                    skipped = self.dataloader.epoch_skip_counts  # this epoch's: a bad row counts once
                     scalars["data/skipped_rows"] = sum(skipped.values())
                     self.metrics.log(step, scalars, self.total_steps)
                     if step in (start + 1, self.total_steps):
-                        logger.info(f"data rows skipped so far on DP rank {self.dp_rank}: {skipped}")
+                        logger.info(f"data rows skipped in epoch {self.dataloader.epoch} on DP rank "
+                                    f"{self.dp_rank} so far: {skipped}")
                     window = _LogWindow()
                 if self.checkpointer.should_save(step, force=step == self.total_steps):
                     self.nonfinite.check_params(step)  # a non-finite checkpoint is never written
