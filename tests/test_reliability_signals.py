@@ -75,7 +75,9 @@ def test_second_signal_exits_at_once():
         with maybe_handle_stop_signals() as stop:
             os.kill(os.getpid(), signal.SIGTERM)
             assert stop.requested() and stop.name == "SIGTERM"
+            os.kill(os.getpid(), signal.SIGINT)  # at once: the same request forwarded by a launcher
             print("first handled", flush=True)
+            time.sleep(1.2)
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(30)
             print("not reached", flush=True)

@@ -7,6 +7,12 @@ ends without exporting (a half-trained draft is not the job's result). A second 
 the process exits at once with 128 + the signal number, as an unhandled signal would; the
 interrupted save, if any, is skipped by the next resume.
 
+A signal repeated within ``REPEAT_WINDOW_S`` of the first is the same request delivered twice, not
+a second one: Slurm signals every process of the step and torchrun forwards the signal it got to
+its workers, and Ctrl-C reaches both torchrun and its workers, so one stop request often arrives
+twice within milliseconds. (torchrun gives its workers 30 s after forwarding before it kills
+them: a stop under torchrun must finish its step and save within that.)
+
 Ranks may receive the signal at different steps (or only some of them): :meth:`StopSignal.requested`
 takes the maximum over all ranks, so every rank stops after the same step.
 """
@@ -17,6 +23,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -26,6 +33,7 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_WINDOW_S = 1.0
 
 
 class StopSignal:
@@ -34,6 +42,7 @@ class StopSignal:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.signum: int | None = None
+        self._first_at = 0.0
 
     @property
     def name(self) -> str:
@@ -41,10 +50,13 @@ class StopSignal:
 
     def _handle(self, signum: int, frame) -> None:
         if self.signum is not None:
+            if time.monotonic() - self._first_at < REPEAT_WINDOW_S:
+                return  # the same request delivered again (launcher forwarding), not a second one
             # os.write, not logging: this may interrupt a log call, and nothing after it runs
             os.write(2, f"titan_draft: second {signal.Signals(signum).name}: exiting now\n".encode())
             os._exit(128 + signum)
         self.signum = signum
+        self._first_at = time.monotonic()
         logger.warning("received %s: finishing this step, saving a checkpoint, then exiting "
                        "(send it again to exit at once)", self.name)
 
