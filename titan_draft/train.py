@@ -22,6 +22,7 @@ from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.metrics import MetricsLogger, get_peak_flops
 from titan_draft.components.nonfinite import NonFiniteError, build_nonfinite_guard
 from titan_draft.components.optimizer import build_optimizer
+from titan_draft.components.preflight import check_job_before_loading
 from titan_draft.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titan_draft.components.resume_guard import build_data_keys
 from titan_draft.components.run_lock import RunLockError, maybe_acquire_run_lock
@@ -404,6 +405,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
         validate_job_config(cfg, logger)
         check_target_config(cfg)
+        check_job_before_loading(cfg)  # draft, source, capture layers, usable rows: before the target loads
     except ValueError as e:
         # a bad job file or flag: one clear line, no traceback
         print(f"titan_draft: error: {e}", file=sys.stderr)

@@ -168,6 +168,10 @@ class ChatSourceNode(tn.BaseNode[Sample]):
             return "no_loss_tokens"
         return ids, mask
 
+    def sample_or_reason(self, row: Any) -> Sample | str:
+        """``row`` as a sample, or the reason it is skipped (a ``SKIP_REASONS`` name)."""
+        return self._sample(row)
+
     def usable_samples(self):
         """Every usable row once, in source order (a counting pass; the node's state is untouched)."""
         for row in self.rows:
