@@ -48,9 +48,13 @@ def test_checked_before_the_target_loads(capsys, no_trainer, chat_jsonl, random_
         assert line.endswith("has 6 decoder layers (ids 0..5)")
 
 
-def test_a_good_job_passes_the_checks(no_trainer, chat_jsonl, random_target_dir, tmp_path):
-    with pytest.raises(AssertionError, match="the target started loading"):
+def test_a_good_job_passes_the_checks(no_trainer, chat_jsonl, random_target_dir, tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO), pytest.raises(AssertionError, match="the target started loading"):
         train_module.main(job_args(tmp_path, chat_jsonl, random_target_dir))
+    # a first line says what is happening before the (possibly long) target load
+    assert f"-> {tmp_path}: checking it, then loading the target {random_target_dir}" in caplog.records[0].getMessage()
 
 
 def test_run_train_sh_shows_the_trainers_line_without_torchruns_report(tmp_path, chat_jsonl, random_target_dir):

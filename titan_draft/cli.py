@@ -36,6 +36,9 @@ def run_cli(build_trainer: Callable, argv: list[str] | None = None) -> None:
     init_logger()
     try:
         cfg = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
+        # the first line as soon as the job is known: loading a target can take minutes
+        logger.info(f"job {cfg.job.config_file or '(defaults)'} -> {cfg.job.dump_folder}: checking it, "
+                    f"then loading the target {cfg.target.path or 'random:' + cfg.target.flavor}")
         validate_job_config(cfg, logger)
         check_target_config(cfg)
         check_job_before_loading(cfg)  # draft, source, capture layers, usable rows: before the target loads
