@@ -93,3 +93,27 @@ def test_no_signal_no_stop():
     with maybe_handle_stop_signals() as stop:
         assert not stop.requested()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_command_line_exits_0_with_the_resume_line(tmp_path, chat_jsonl, random_target_dir):
+    """`python -m titan_draft.train` got SIGTERM mid-run: exit status 0, and its last line says
+    where to resume."""
+    argv = job_args(tmp_path, chat_jsonl, random_target_dir, "--training.steps", "200", "--checkpoint.interval", "1000")
+    proc = subprocess.Popen([sys.executable, "-m", "titan_draft.train", *argv], cwd=REPO, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONPATH": REPO})
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if " step 2/200 " in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        lines += proc.stderr.readlines()
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, "".join(lines[-30:])
+    last = lines[-1].strip()
+    assert last.startswith("titan_draft: stopped by SIGTERM after step ") and "run the same command again" in last, last
+    step = int(last.split("after step ")[1].split(" ")[0])
+    assert os.path.isfile(tmp_path / "checkpoint" / f"step-{step}" / ".metadata")
