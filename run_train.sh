@@ -21,8 +21,30 @@ for arg in "$@"; do
   case "$arg" in --job.config_file|--job.config_file=*|--job.config-file|--job.config-file=*) config_args=() ;; esac
 done
 
+# When a rank fails, the trainer has already said why in one line ("[rank0]:titan_draft: error:
+# ..."); torchrun then adds its own launcher traceback and ChildFailedError table, which only
+# repeat that a rank failed. Drop that report (and torchrun's "failed (exitcode" log line) from
+# stderr; any other launcher traceback is shown whole. The exit status stays torchrun's.
+drop_launcher_report() {
+  awk '
+    /^Traceback \(most recent call last\):/ { block = 1; n = 0; rules = 0; child = 0 }
+    block {
+      buf[++n] = $0
+      if ($0 ~ /ChildFailedError|SignalException/) child = 1
+      if ($0 ~ /^=+$/ && ++rules == 2) {
+        if (!child) for (i = 1; i <= n; i++) print buf[i]
+        block = 0
+      }
+      next
+    }
+    /torch\/distributed\/elastic\/multiprocessing\/api\.py:[0-9]+\] failed \(exitcode/ { next }
+    { print; fflush() }
+    END { if (block) for (i = 1; i <= n; i++) print buf[i] }
+  '
+}
+
 # expandable segments avoid the late-run OOMs from allocator fragmentation
-PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True} \
-torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint=localhost:0 \
-  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m titan_draft.train "${config_args[@]}" "$@"
+{ PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True} \
+  torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint=localhost:0 \
+    --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+    -m titan_draft.train "${config_args[@]}" "$@" 2>&1 1>&3 3>&- | drop_launcher_report >&2; } 3>&1

@@ -6,28 +6,31 @@ Run with ``python -m titan_draft.train --job.config_file train_configs/debug_mod
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import sys
 import time
 
 import torch
 
+from titan_draft.cli import run_cli
 from titan_draft.components.checkpoint import CheckpointManager, TrainState
-from titan_draft.components.export import export_draft
+from titan_draft.components.export import export_draft, exported_step
 from titan_draft.components.float8 import Float8Converter
 from titan_draft.components.lr_scheduler import build_lr_scheduler
-from titan_draft.components.metrics import MetricsLogger, get_peak_flops
+from titan_draft.components.metrics import LogWindow, MetricsLogger, get_peak_flops
+from titan_draft.components.model_args import resolve_model_args
+from titan_draft.components.nonfinite import build_nonfinite_guard
 from titan_draft.components.optimizer import build_optimizer
 from titan_draft.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
+from titan_draft.components.resume_guard import build_data_keys
+from titan_draft.components.run_lock import maybe_acquire_run_lock
+from titan_draft.components.signals import maybe_handle_stop_signals
 from titan_draft.components.target import (
     build_target,
     build_target_tokenizer,
-    check_target_config,
     compute_features,
 )
-from titan_draft.config import ConfigManager, validate_job_config, write_job_config
+from titan_draft.config import write_job_config
 from titan_draft.config.job_config import JobConfig
 from titan_draft.data.chat_template import resolve_template
 from titan_draft.data.pipeline import build_dataloader, epoch_samples
@@ -35,46 +38,25 @@ from titan_draft.data.system_prompt import resolve_system_prompt
 from titan_draft.distributed.parallelize import mixed_precision_dtypes, to_dtype
 from titan_draft.distributed.utils import (
     ParallelDims,
-    destroy_distributed,
     init_distributed,
     set_pg_timeout,
     set_seed,
 )
 from titan_draft.eval import Evaluator, report_scalars, save_model_args
-from titan_draft.logger import init_logger, logger
-from titan_draft.protocols import ArgsContext, PrepareContext, get_model_spec
-
-
-@dataclasses.dataclass
-class _LogWindow:
-    """Counters since the last logged step; throughput is averaged over this window."""
-
-    start: float = dataclasses.field(default_factory=time.perf_counter)
-    steps: int = 0
-    tokens: int = 0
-    samples: int = 0
-    data_wait: float = 0.0
-
-
-def resolve_model_args(spec, cfg: JobConfig, target_args, tokenizer):
-    """Flavor args, then the [model.args] overrides, then the draft's own ``update_args_fn``
-    (what it takes from the target, its tokenizer and the job)."""
-    if cfg.model.flavor not in spec.flavors:
-        raise ValueError(f"model.flavor: {cfg.model.flavor!r} is not a {spec.name} flavor ({sorted(spec.flavors)})")
-    args = spec.flavors[cfg.model.flavor]
-    names = {f.name for f in dataclasses.fields(args)}
-    unknown = sorted(set(cfg.model.args) - names)
-    if unknown:
-        raise ValueError(f"model.args: unknown {spec.name} arg(s) {unknown}; known: {sorted(names)}")
-    args = dataclasses.replace(args, **cfg.model.args)
-    ctx = ArgsContext(target=target_args, tokenizer=tokenizer, job=cfg,
-                      chat_template=resolve_template(cfg.data.chat_template, tokenizer),
-                      overrides=frozenset(cfg.model.args))
-    return spec.update_args_fn(args, ctx)
+from titan_draft.logger import logger
+from titan_draft.protocols import PrepareContext, get_model_spec
 
 
 class Trainer:
     def __init__(self, cfg: JobConfig):
+        self.run_lock = None
+        try:
+            self._build(cfg)
+        except BaseException:
+            self._release_lock()  # a trainer that failed to start holds nothing
+            raise
+
+    def _build(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         self.dist = init_distributed(cfg)
         self.device = self.dist.device
@@ -85,6 +67,7 @@ class Trainer:
         on_gpu = self.device.type == "cuda"
         set_seed(cfg.training.seed)
         os.makedirs(cfg.job.dump_folder, exist_ok=True)
+        self.run_lock = maybe_acquire_run_lock(cfg.job.dump_folder, self.dist.rank == 0)  # before any write
 
         self.spec = get_model_spec(cfg.model.name)
 
@@ -110,6 +93,7 @@ class Trainer:
             static_shapes=cfg.training.static_shapes,
             pad_multiple=pad_multiple,
             reserved_ids=frozenset(self.reserved_tokens),
+            warn_below_rows=10 * cfg.training.local_batch_size * cfg.training.grad_accum_steps,
         )
         self.total_steps = self._total_steps()
 
@@ -132,6 +116,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, self.total_steps)
         self.train_state = TrainState()
+        template = resolve_template(cfg.data.chat_template, self.tokenizer)
         self.checkpointer = CheckpointManager(
             cfg.checkpoint,
             cfg.job.dump_folder,
@@ -142,13 +127,15 @@ class Trainer:
             train_state=self.train_state,
             dp_rank=self.dp_rank,
             dp_world=self.dp_world,
+            data_keys=build_data_keys(cfg, chat_template=template, dp_world=self.dp_world,
+                                      system_prompt=resolve_system_prompt(cfg.data.system_prompt, self.tokenizer, template)),
         )
+        self.nonfinite = build_nonfinite_guard(cfg.training, self.model, self.checkpointer.describe_last)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device.type)
         self.evaluator = Evaluator(cfg, self.spec, self.model_args, self.target.model, self.tokenizer, self.device,
                                    reserved_ids=self.reserved_tokens)
         self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device)) if on_gpu else None
 
-        template = resolve_template(cfg.data.chat_template, self.tokenizer)
         self.run_info = {
             "device": str(self.device),
             "backend": self.dist.backend,
@@ -254,24 +241,33 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"), foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.float8.post_optimizer_hook(self.model)
+        applied = self.nonfinite.allow_update(step, flat[0], grad_norm)  # raises to stop
+        if applied:
+            self.optimizer.step()
+            self.float8.post_optimizer_hook(self.model)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        lr = self.lr_scheduler.get_last_lr()[0]  # the lr this step used, read before it moves on
         self.lr_scheduler.step()
-        return {"flat": flat, "names": names, "grad_norm": grad_norm}
+        return {"flat": flat, "names": names, "grad_norm": grad_norm, "applied": applied, "lr": lr}
 
     # ---- loop ----
 
     def train(self) -> dict[int, float]:
         """Run to the last step; returns the global loss of every logged step."""
         cfg = self.cfg
+        self.stop_line = ""  # set when a stop signal ends the run early
         start = self.checkpointer.load()
         if start:
             logger.info(f"resumed from step {start} ({self.checkpointer.folder})")
+            self.metrics.resume_at(start)
+        if start >= self.total_steps > 0:
+            return self._already_done(start)
         data_iter = iter(self.dataloader)
         losses: dict[int, float] = {}
         accum = cfg.training.grad_accum_steps
-        window = _LogWindow()
-        with maybe_enable_profiling(cfg.profiling, cfg.job.dump_folder, self.train_state.step, self.dist.rank) as prof, \
+        window = LogWindow()
+        with maybe_handle_stop_signals(self.device) as stop, maybe_enable_profiling(cfg.profiling, cfg.job.dump_folder, self.train_state.step, self.dist.rank) as prof, \
                 maybe_enable_memory_snapshot(cfg.profiling, cfg.job.dump_folder, self.train_state.step, self.dist.rank) as snap:
             while self.train_state.step < self.total_steps:
                 t0 = time.perf_counter()
@@ -292,7 +288,7 @@ class Trainer:
                     elapsed = time.perf_counter() - window.start
                     scalars = {
                         "loss": loss,
-                        "lr": self.lr_scheduler.get_last_lr()[0],
+                        "lr": out["lr"],
                         "grad_norm": float(out["grad_norm"]),
                         "tokens_per_s": window.tokens / elapsed,
                         "samples_per_s": window.samples * self.dp_world / elapsed,
@@ -306,13 +302,19 @@ class Trainer:
                         b0 = micro_batches[0]["input_ids"]
                         flops = self.spec.flops_fn(self.model_args, b0.shape[0], b0.shape[1]) * accum
                         scalars["mfu"] = 100.0 * flops / (elapsed / window.steps) / self.peak_flops
-                    skipped = self.dataloader.skip_counts
+                    skipped = self.dataloader.epoch_skip_counts  # this epoch's: a bad row counts once
                     scalars["data/skipped_rows"] = sum(skipped.values())
                     self.metrics.log(step, scalars, self.total_steps)
                     if step in (start + 1, self.total_steps):
-                        logger.info(f"data rows skipped so far on DP rank {self.dp_rank}: {skipped}")
-                    window = _LogWindow()
+                        logger.info(f"data rows skipped in epoch {self.dataloader.epoch} on DP rank "
+                                    f"{self.dp_rank} so far: {skipped}")
+                    window = LogWindow()
+                if self.checkpointer.should_save(step, force=step == self.total_steps):
+                    self.nonfinite.check_params(step)  # a non-finite checkpoint is never written
                 self.checkpointer.save(step, force=step == self.total_steps)
+                if stop.requested():  # SIGTERM/SIGINT: this step is done; save it and leave
+                    self._stop_after(step, stop.name)
+                    break
                 self._maybe_eval(step, out)
                 if prof is not None:
                     prof.step()
@@ -321,20 +323,47 @@ class Trainer:
                 if step == start + 1 and self.dist.world_size > 1:
                     # start-up (compile, first collectives) is over: use the shorter timeout
                     set_pg_timeout(cfg.comm.train_timeout_seconds)
-        if cfg.checkpoint.export:
-            out_dir = os.path.join(cfg.job.dump_folder, cfg.checkpoint.export_folder)
-            export_draft(
-                self.model,
-                self.spec.export_fn,
-                self.model_args,
-                {**self.target.info, "capture_layers": self.layer_ids},
-                out_dir,
-                dtype=cfg.checkpoint.export_dtype,
-                extra_config={"step": self.train_state.step, "run": self.run_info},
-                is_rank0=self.dist.rank == 0,
-            )
-            logger.info(f"exported draft to {out_dir}")
+        if cfg.checkpoint.export and not self.stop_line:
+            self._export()
         return losses
+
+    def _export(self) -> None:
+        cfg = self.cfg
+        out_dir = os.path.join(cfg.job.dump_folder, cfg.checkpoint.export_folder)
+        export_draft(
+            self.model,
+            self.spec.export_fn,
+            self.model_args,
+            {**self.target.info, "capture_layers": self.layer_ids},
+            out_dir,
+            dtype=cfg.checkpoint.export_dtype,
+            extra_config={"step": self.train_state.step, "run": self.run_info},
+            is_rank0=self.dist.rank == 0,
+        )
+        logger.info(f"exported draft to {out_dir}")
+
+    def _already_done(self, start: int) -> dict[int, float]:
+        """A job resumed at or past its last step trains nothing; say so, and export only when no
+        export of this step is there yet."""
+        cfg = self.cfg
+        logger.warning(f"nothing to train: resumed at step {start} and the job has {self.total_steps} steps "
+                       "(raise training.steps to train on)")
+        out_dir = os.path.join(cfg.job.dump_folder, cfg.checkpoint.export_folder)
+        if exported_step(out_dir) == start:
+            logger.info(f"the export of step {start} is already in {out_dir}")
+        elif cfg.checkpoint.export:
+            self._export()
+        return {}
+
+    def _stop_after(self, step: int, signal_name: str) -> None:
+        """Save ``step`` (if not saved yet) and set the line that tells where to resume."""
+        if self.checkpointer.should_save(step, force=True):
+            self.nonfinite.check_params(step)
+        saved = self.checkpointer.save(step, force=True) or self.checkpointer.is_saved(step)
+        where = (f"checkpoint {self.checkpointer.step_folder(step)} saved; run the same command again "
+                 f"to resume from step {step}" if saved else "checkpointing is off: nothing was saved")
+        self.stop_line = f"stopped by {signal_name} after step {step} of {self.total_steps}: {where} (no export written)"
+        logger.warning(self.stop_line)
 
     def _maybe_eval(self, step: int, out: dict) -> None:
         """The true τ (real speculative decoding) at eval steps, beside the simulated one."""
@@ -348,26 +377,20 @@ class Trainer:
             scalars["eval/simulated_accept_len"] = num / den if den > 0 else 0.0
         self.metrics.add_scalars(step, scalars)
 
+    def _release_lock(self) -> None:
+        if self.run_lock is not None:
+            self.run_lock.release()
+            self.run_lock = None
+
     def close(self):
-        self.metrics.close()
+        try:
+            self.metrics.close()
+        finally:
+            self._release_lock()
 
 
 def main(argv: list[str] | None = None) -> None:
-    init_logger()
-    try:
-        cfg = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
-        validate_job_config(cfg, logger)
-        check_target_config(cfg)
-    except ValueError as e:
-        # a bad job file or flag: one clear line, no traceback
-        print(f"titan_draft: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    trainer = Trainer(cfg)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-        destroy_distributed()
+    run_cli(Trainer, argv)  # titan_draft/cli.py: one line and an exit status for every user error
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Layout: ``{dump_folder}/{checkpoint.folder}/step-{N}/`` holding DCP's per-rank ``.distcp`` files
 and its ``.metadata``. DCP writes ``.metadata`` last (an atomic rename, after every rank's data is
 on disk), so a folder is a *complete* checkpoint iff ``.metadata`` exists; an interrupted save
-leaves a folder without it, which ``load`` skips with a warning.
+leaves a folder without it, which ``load`` skips with a warning. After DCP, rank 0 writes
+``integrity.json`` (every file's size and SHA-256, see checkpoint_integrity.py); a resume takes the
+newest checkpoint whose files still match it and names the ones it passed over and why.
 
 What is saved (top-level keys of the DCP state dict):
 
@@ -26,13 +28,11 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import re
 import shutil
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -41,18 +41,23 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.checkpoint.stateful import Stateful
 
+from titan_draft.components.checkpoint_errors import CheckpointSaveError, describe_save_failure, remove_partial
+from titan_draft.components.checkpoint_integrity import (
+    RECORD,
+    broadcast_choice,
+    newest_verified,
+    verify_checkpoint,
+    write_integrity_record,
+)
+from titan_draft.components.checkpoint_states import DataLoaderWrapper, ModelWrapper, OptimizerWrapper, TrainState
+from titan_draft.components.resume_guard import check_data_keys, write_data_keys
 from titan_draft.config.job_config import Checkpoint as CheckpointConfig
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointManager", "TrainState", "is_complete"]
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -62,79 +67,6 @@ TRAIN_STATE = "train_state"
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _METADATA = ".metadata"
-
-
-@dataclass
-class TrainState(Stateful):
-    """The trainer's counters that must survive a resume."""
-
-    step: int = 0
-    tokens_seen: int = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.step = int(state_dict["step"])
-        self.tokens_seen = int(state_dict["tokens_seen"])
-
-
-class ModelWrapper(Stateful):
-    """Exposes a (possibly compiled / AC-wrapped / FSDP2-sharded) model through clean FQNs."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict, options=StateDictOptions(strict=True))
-
-
-class OptimizerWrapper(Stateful):
-    """Optimizer state keyed by parameter FQN (flattened), so it is independent of param order."""
-
-    _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model = model
-        self.optimizer = optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        # On a fresh optimizer this first materializes exp_avg/exp_avg_sq (a zero-lr step), which
-        # gives DCP the tensors to load into.
-        return get_optimizer_state_dict(self.model, self.optimizer, options=self._OPTIONS)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(
-            self.model, self.optimizer, optim_state_dict=state_dict, options=self._OPTIONS
-        )
-
-
-class DataLoaderWrapper(Stateful):
-    """One DP rank's dataloader state under ``dp_rank_{r}``, plus the DP size under ``dp_world``.
-
-    The state is pickled to bytes: DCP would otherwise flatten it and drop empty containers.
-    """
-
-    def __init__(self, dataloader: Any, dp_rank: int, dp_world: int) -> None:
-        self.dataloader = dataloader
-        self.dp_rank = dp_rank
-        self.dp_world = dp_world
-
-    @property
-    def rank_key(self) -> str:
-        return f"dp_rank_{self.dp_rank}"
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            self.rank_key: pickle.dumps(self.dataloader.state_dict()),
-            "dp_world": self.dp_world,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.dataloader.load_state_dict(pickle.loads(state_dict[self.rank_key]))
 
 
 @contextmanager
@@ -183,6 +115,7 @@ class CheckpointManager:
         train_state: Stateful | None,
         dp_rank: int,
         dp_world: int,
+        data_keys: dict[str, Any] | None = None,
     ) -> None:
         if cfg.keep_latest_k < 0:
             raise ValueError(f"checkpoint.keep_latest_k must be >= 0, got {cfg.keep_latest_k}")
@@ -190,6 +123,7 @@ class CheckpointManager:
         self.folder = os.path.join(dump_folder, cfg.folder)
         self.dp_rank = dp_rank
         self.dp_world = dp_world
+        self.data_keys = data_keys  # what the saved data position means (resume_guard.py)
         self.states: dict[str, Stateful] = {MODEL: ModelWrapper(model)}
         if optimizer is not None:
             self.states[OPTIMIZER] = OptimizerWrapper(model, optimizer)
@@ -219,7 +153,18 @@ class CheckpointManager:
             (complete if is_complete(self.step_folder(step)) else incomplete).append(step)
         return sorted(complete), sorted(incomplete)
 
+    def describe_last(self) -> str:
+        """A phrase naming the newest complete checkpoint on disk (for lines that say what is kept)."""
+        complete, _ = self.list_steps()
+        if not complete:
+            return "no checkpoint was saved" if self.cfg.enable else "checkpointing is off"
+        return f"the last good checkpoint is {self.step_folder(complete[-1])}"
+
     # ---- save ---------------------------------------------------------------------------------
+
+    def is_saved(self, step: int) -> bool:
+        """Whether this run saved (or loaded) ``step`` last."""
+        return self.cfg.enable and step == self._last_saved_step
 
     def should_save(self, step: int, *, force: bool = False) -> bool:
         if not self.cfg.enable or step == self._last_saved_step:
@@ -240,9 +185,21 @@ class CheckpointManager:
             # so that a crash mid-write leaves the folder incomplete instead of silently mixed.
             logger.warning("checkpoint: overwriting existing %s", path)
             os.remove(os.path.join(path, _METADATA))
+            if os.path.exists(os.path.join(path, RECORD)):
+                os.remove(os.path.join(path, RECORD))
         t0 = time.perf_counter()
-        with _quiet_single_process():
-            dcp.save(self.states, checkpoint_id=path)
+        try:
+            if rank == 0 and self.data_keys is not None:
+                write_data_keys(path, self.data_keys)  # before DCP: a complete folder has it
+            with _quiet_single_process():
+                dcp.save(self.states, checkpoint_id=path)
+            if rank == 0:
+                write_integrity_record(path)
+        except (Exception, CheckpointException) as e:  # disk full, permissions: one line, no debris
+            if rank == 0:
+                remove_partial(path)
+            brief = _describe(e).splitlines()[0][:300]
+            raise CheckpointSaveError(describe_save_failure(e, brief, path, self.folder, self.describe_last())) from e
         self._last_saved_step = step
         logger.info("checkpoint: saved %s in %.2f s", path, time.perf_counter() - t0)
         # dcp.save returns on the coordinator (rank 0) only after .metadata is written, i.e. after
@@ -280,6 +237,9 @@ class CheckpointManager:
                     f"checkpoint step {requested} requested but {path} "
                     + ("has no .metadata (incomplete save)" if os.path.isdir(path) else "does not exist")
                 )
+            why = broadcast_choice(verify_checkpoint(path) if _global_rank() == 0 else None)
+            if why is not None and os.path.isfile(os.path.join(path, RECORD)):
+                raise RuntimeError(f"checkpoint step {requested} requested but {path} does not verify: {why}")
             newer = [s for s in complete if s > requested]
             if newer:
                 logger.warning(
@@ -296,7 +256,20 @@ class CheckpointManager:
                 "save?): %s",
                 ", ".join(self.step_folder(s) for s in incomplete),
             )
-        return complete[-1] if complete else None
+        chosen, skipped, verified = broadcast_choice(
+            newest_verified(complete, self.step_folder) if _global_rank() == 0 else None)
+        if skipped:
+            logger.warning("checkpoint: skipped %s; %s", ", ".join(skipped),
+                           f"resuming from step-{chosen}" if chosen is not None else "no checkpoint left")
+        if chosen is None and skipped:
+            raise RuntimeError(
+                f"checkpoint: none of the {len(skipped)} checkpoint(s) in {self.folder} verifies "
+                f"({'; '.join(skipped)}); refusing to start over on top of them: move them away to "
+                "start afresh")
+        if chosen is not None and not verified:
+            logger.warning("checkpoint: %s has no %s: resuming from it unverified",
+                           self.step_folder(chosen), RECORD)
+        return chosen
 
     def _check_dp_world(self, path: str) -> None:
         """Refuse a resume whose DP size differs from the one the dataloader state was saved with."""
@@ -335,12 +308,14 @@ class CheckpointManager:
             logger.info("checkpoint: nothing to resume from in %s", self.folder)
             return 0
         path = self.step_folder(chosen)
-        if DATALOADER in self.states:
+        fresh_data = check_data_keys(path, self.data_keys, self.cfg.reset_data_position)
+        states = {k: v for k, v in self.states.items() if not (fresh_data and k == DATALOADER)}
+        if DATALOADER in states:
             self._check_dp_world(path)
         t0 = time.perf_counter()
         try:
             with _quiet_single_process():
-                dcp.load(self.states, checkpoint_id=path)
+                dcp.load(states, checkpoint_id=path)
         except (Exception, CheckpointException) as e:
             # DCP's CheckpointException is a BaseException; wrap it so callers see the folder.
             raise RuntimeError(

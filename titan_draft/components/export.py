@@ -156,6 +156,15 @@ def export_draft(
     return out_dir
 
 
+def exported_step(folder: str) -> int | None:
+    """The training step an export folder holds (its provenance), None when there is none."""
+    try:
+        with open(os.path.join(folder, PROVENANCE_NAME)) as f:
+            return json.load(f).get("step")
+    except (OSError, ValueError):
+        return None
+
+
 def load_export(folder: str) -> tuple[dict[str, torch.Tensor], dict]:
     """Read an export back: (tensors from model.safetensors, config.json as a dict)."""
     weights_path = os.path.join(folder, WEIGHTS_NAME)

@@ -10,6 +10,7 @@ spec, so about 80 % MFU is the practical ceiling there, not 100 %.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -131,6 +132,17 @@ def _tb_tag(key: str) -> str:
     return f"{_TB_GROUPS.get(key, 'train')}/{key}"
 
 
+@dataclasses.dataclass
+class LogWindow:
+    """Counters since the last logged step; throughput is averaged over this window."""
+
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    steps: int = 0
+    tokens: int = 0
+    samples: int = 0
+    data_wait: float = 0.0
+
+
 class MetricsLogger:
     """Console line + TensorBoard scalars at step 1, every ``log_freq`` steps and the last step.
 
@@ -158,11 +170,21 @@ class MetricsLogger:
         if rank == 0 and cfg.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-            self.tb_dir = os.path.join(dump_folder, cfg.save_tb_folder, stamp)
+            # One run folder for the job, across resumes (see resume_at), not one per start.
+            self.tb_dir = os.path.join(dump_folder, cfg.save_tb_folder, "run")
             self.writer = SummaryWriter(self.tb_dir)
             logger.info("metrics: TensorBoard logs in %s", self.tb_dir)
         self._last_log: tuple[int, float] | None = None  # (step, time.perf_counter())
+
+    def resume_at(self, step: int) -> None:
+        """The run goes on from checkpoint ``step``: points an interrupted process logged after it
+        are dropped from TensorBoard (its purge_step), so the resumed curve replaces them."""
+        if self.writer is None or step <= 0:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer.close()
+        self.writer = SummaryWriter(self.tb_dir, purge_step=step + 1)
 
     def should_log(self, step: int, total_steps: int | None = None) -> bool:
         """Same answer on every rank (the trainer may reduce metrics only when it is True)."""

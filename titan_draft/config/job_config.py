@@ -115,6 +115,13 @@ class Training:
     """FSDP2 parameter dtype for compute (float32 keeps everything in fp32; CPU uses float32)."""
     mixed_precision_reduce: str = "float32"
     """FSDP2 gradient reduce dtype."""
+    nonfinite: str = "stop"
+    """What a step whose global loss or gradient norm is NaN or inf does: 'stop' ends the run at
+    once (nothing of that step is applied or saved; the last checkpoint stays the last good one),
+    'skip' drops that step's update (no optimizer step; data and lr move on) and stops only after
+    `nonfinite_max_skips` such steps in a row."""
+    nonfinite_max_skips: int = 3
+    """With nonfinite = 'skip': this many non-finite steps in a row stop the run."""
 
 
 @dataclass
@@ -204,6 +211,12 @@ class Checkpoint:
     """Keep only the newest K checkpoints (0 keeps all)."""
     load_step: int = -1
     """Resume from this step's checkpoint instead of the newest (-1: newest)."""
+    reset_data_position: bool = False
+    """Resume from a checkpoint saved under other data keys (data.source, max_rows, holdout_rows,
+    max_length, shuffle, chat_template, system_prompt, enable_thinking, last_turn_only,
+    training.local_batch_size, grad_accum_steps, seed, or the DP size): the weights, optimizer,
+    lr schedule and step are restored and the data starts from the beginning. Without it such a
+    resume is refused, naming the keys."""
     export: bool = True
     """At the end, export the draft as safetensors + config.json in the serving contract."""
     export_folder: str = "export"

@@ -27,6 +27,7 @@ _CHOICES = {
     "parallelism.fsdp_reshard_after_forward": ("default", "always", "never"),
     "activation_checkpoint.mode": ("none", "full"),
     "data.chat_template": ("auto", *SUPPORTED_TEMPLATES),
+    "training.nonfinite": ("stop", "skip"),
 }
 # key -> smallest allowed value
 _MINIMUM = {
@@ -39,6 +40,7 @@ _MINIMUM = {
     "profiling.profile_warmup": 0, "comm.init_timeout_seconds": 1, "comm.train_timeout_seconds": 1,
     "target.seed": 0, "data.holdout_rows": 0, "eval.interval": 0, "eval.num_prompts": 0,
     "eval.max_new_tokens": 1, "eval.max_prompt_tokens": 0,
+    "training.nonfinite_max_skips": 1,
 }
 
 

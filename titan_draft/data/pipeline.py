@@ -22,6 +22,7 @@ from titan_draft.data.sources import SKIP_REASONS, load_rows
 from titan_draft.data.synthetic_source import build_synthetic_source, is_synthetic_source
 from titan_draft.data.system_prompt import resolve_system_prompt
 from titan_draft.data.tokenizer import Tokenizer
+from titan_draft.data.worker_errors import ForwardErrorsNode
 
 __all__ = ["ChatDataLoader", "build_dataloader", "collate_chat", "epoch_samples"]
 
@@ -88,8 +89,10 @@ class ChatDataLoader:
         dp_rank, dp_world: this rank's index and the DP size.
     """
 
-    def __init__(self, loader: tn.Loader, source: ChatSourceNode, *, dp_rank: int, dp_world: int):
+    def __init__(self, loader: tn.Loader, source: ChatSourceNode, *, dp_rank: int, dp_world: int,
+                 worker: Optional[ForwardErrorsNode] = None):
         self._loader = loader
+        self._worker = worker
         self._source = source
         self._it: Optional[Any] = None
         self.dp_rank = dp_rank
@@ -107,7 +110,12 @@ class ChatDataLoader:
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._it is None:
             self._it = iter(self._loader)
-        return next(self._it)
+        try:
+            return next(self._it)
+        except Exception:
+            if self._worker is not None and self._worker.failure is not None:
+                raise self._worker.failure  # the one-line error, not torchdata's re-wrapped copy
+            raise
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -143,6 +151,13 @@ class ChatDataLoader:
         return {reason: counts.get(reason, 0) for reason in SKIP_REASONS}
 
     @property
+    def epoch_skip_counts(self) -> dict[str, int]:
+        """Rows skipped per reason in the current epoch (up to the last batch handed out): what a
+        pass over the data really rejects, not counted again each time a bad row comes round."""
+        counts = self._source_state().get("epoch_skip_counts", {})
+        return {reason: counts.get(reason, 0) for reason in SKIP_REASONS}
+
+    @property
     def epoch(self) -> int:
         """Epoch (0-based) of the next row this rank will read."""
         return self._source_state()["epoch"]
@@ -159,6 +174,7 @@ def build_dataloader(
     static_shapes: bool,
     pad_multiple: int = 1,
     reserved_ids: frozenset[int] = frozenset(),
+    warn_below_rows: int = 0,
 ) -> ChatDataLoader:
     """Build this DP rank's dataloader from the ``[data]`` config section.
 
@@ -171,6 +187,8 @@ def build_dataloader(
         static_shapes: pad every batch to ``data.max_length`` (``training.static_shapes``).
         pad_multiple: without static shapes, round the batch length up to this multiple.
         reserved_ids: token ids the draft reserves; conversation rows holding one are skipped.
+        warn_below_rows: warn when this rank has (or an epoch yields) fewer usable rows than this
+            (the trainer passes 10 optimizer steps' worth).
 
     Raises:
         ValueError: naming the config key, for a missing or empty source, an unknown template
@@ -195,7 +213,8 @@ def build_dataloader(
         source = build_synthetic_source(data_cfg, dp_rank=dp_rank, dp_world=dp_world, seed=seed)
     else:
         source = _chat_source(data_cfg, tokenizer, template, dp_rank=dp_rank, dp_world=dp_world, seed=seed,
-                              static_shapes=static_shapes, reserved_ids=reserved_ids)
+                              static_shapes=static_shapes, reserved_ids=reserved_ids,
+                              warn_below_rows=warn_below_rows)
     node: tn.BaseNode = tn.Batcher(source, batch_size=local_batch_size, drop_last=True)
     collate = _Collate(
         pad_id=tokenizer.pad_id,
@@ -204,10 +223,12 @@ def build_dataloader(
         pad_multiple=pad_multiple,
     )
     node = tn.Mapper(node, collate)
+    worker = None
     if data_cfg.prefetch_factor > 0:
+        worker = node = ForwardErrorsNode(node)  # whatever the thread raises reaches the loop
         # snapshot_frequency=1: a snapshot per batch, so a resume never replays or loses one.
         node = tn.Prefetcher(node, prefetch_factor=data_cfg.prefetch_factor, snapshot_frequency=1)
-    return ChatDataLoader(tn.Loader(node), source, dp_rank=dp_rank, dp_world=dp_world)
+    return ChatDataLoader(tn.Loader(node), source, dp_rank=dp_rank, dp_world=dp_world, worker=worker)
 
 
 def epoch_samples(data_cfg: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seed: int,
@@ -224,7 +245,7 @@ def epoch_samples(data_cfg: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world
 
 
 def _chat_source(data_cfg: Any, tokenizer: Tokenizer, template: str, *, dp_rank: int, dp_world: int, seed: int,
-                 static_shapes: bool, reserved_ids: frozenset[int]) -> ChatSourceNode:
+                 static_shapes: bool, reserved_ids: frozenset[int], warn_below_rows: int = 0) -> ChatSourceNode:
     """This DP rank's conversations of ``data.source``, rendered with ``template``."""
     rows, total = load_rows(
         data_cfg.source, max_rows=data_cfg.max_rows, dp_rank=dp_rank, dp_world=dp_world,
@@ -246,6 +267,10 @@ def _chat_source(data_cfg: Any, tokenizer: Tokenizer, template: str, *, dp_rank:
         data_cfg.source, total, held_out, len(rows), dp_rank, dp_world, chat_format,
         data_cfg.max_length, "static" if static_shapes else "dynamic",
     )  # fmt: skip
+    if len(rows) < warn_below_rows:
+        logger.warning("data: only %d rows on DP rank %d (at most that many usable), fewer than 10 optimizer "
+                       "steps' worth (%d): every row will be repeated many times", len(rows), dp_rank,
+                       warn_below_rows)
     return ChatSourceNode(
         rows,
         tokenizer,
@@ -257,4 +282,8 @@ def _chat_source(data_cfg: Any, tokenizer: Tokenizer, template: str, *, dp_rank:
         enable_thinking=data_cfg.enable_thinking,
         last_turn_only=data_cfg.last_turn_only,
         reserved_ids=reserved_ids,
+        # rank r owns rows r, r + dp_world, ... after the held-out ones
+        warn_below_rows=warn_below_rows,
+        describe_row=lambda i: (f"row {data_cfg.holdout_rows + i * dp_world + dp_rank} (0-based) of "
+                                f"data.source {data_cfg.source}"),
     )

@@ -7,7 +7,8 @@ skip counts); the permutation is recomputed from ``(seed, epoch)`` on resume rat
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional
+import logging
+from typing import Any, Callable, Optional
 
 import torch
 import torchdata.nodes as tn
@@ -15,8 +16,11 @@ import torchdata.nodes as tn
 from titan_draft.data.chat_template import render_chat
 from titan_draft.data.sources import normalize_row
 from titan_draft.data.tokenizer import Tokenizer
+from titan_draft.data.worker_errors import row_error
 
 __all__ = ["ChatSourceNode", "Sample", "STATE_KEY"]
+
+logger = logging.getLogger(__name__)
 
 Sample = tuple[list[int], list[bool]]
 
@@ -58,9 +62,12 @@ class ChatSourceNode(tn.BaseNode[Sample]):
         shuffle: permute the rows each epoch; otherwise read them in source order.
         reserved_ids: token ids a usable row must not contain (a draft's mask token: a real
             special token where the target has no spare embedding row).
+        describe_row: names row ``i`` of ``rows`` in an error (e.g. its row number in the source).
+        warn_below_rows: an epoch with fewer usable rows than this is warned about (0: never).
 
-    Unusable rows are skipped and counted per reason; the counts are cumulative over epochs (a
-    bad row is counted again each time it comes round).
+    Unusable rows are skipped and counted per reason, over the whole run (``skip_counts``: a bad
+    row is counted again each time it comes round) and in the current epoch
+    (``epoch_skip_counts``); each finished epoch is logged with its own counts.
     """
 
     def __init__(
@@ -76,8 +83,14 @@ class ChatSourceNode(tn.BaseNode[Sample]):
         enable_thinking: bool = True,
         last_turn_only: bool = False,
         reserved_ids: frozenset[int] = frozenset(),
+        describe_row: Callable[[int], str] = lambda i: f"row {i} of this DP rank",
+        warn_below_rows: int = 0,
     ):
         super().__init__()
+        self.warn_below_rows = warn_below_rows
+        self._epoch_skips: dict[str, int] = {}
+        self._epoch_usable = 0
+        self.describe_row = describe_row
         self.reserved_ids = frozenset(reserved_ids)
         self.rows = rows
         self.tokenizer = tokenizer
@@ -107,15 +120,34 @@ class ChatSourceNode(tn.BaseNode[Sample]):
             self._set_epoch(0)
             self._position = 0
             self._skip_counts = {}
+            self._epoch_skips, self._epoch_usable = {}, 0
             return
         state = initial_state[STATE_KEY]
         check_saved_row_count(state, len(self.rows), "source", "data.source / data.max_rows")
         self._set_epoch(state["epoch"])
         self._position = state["position"]
         self._skip_counts = dict(state["skip_counts"])
+        # absent in states saved before per-epoch counts existed
+        self._epoch_skips = dict(state.get("epoch_skip_counts", {}))
+        self._epoch_usable = state.get("epoch_usable", 0)
 
     def _skip(self, reason: str) -> None:
         self._skip_counts[reason] = self._skip_counts.get(reason, 0) + 1
+        self._epoch_skips[reason] = self._epoch_skips.get(reason, 0) + 1
+
+    def _end_epoch(self) -> None:
+        skipped = {k: v for k, v in self._epoch_skips.items() if v}
+        logger.info("data: epoch %d done: %d of %d rows usable%s", self._epoch, self._epoch_usable,
+                    len(self.rows), f", skipped {skipped}" if skipped else "")
+        if self._epoch_usable < self.warn_below_rows:
+            logger.warning(
+                "data: epoch %d had only %d usable rows on this DP rank, fewer than 10 optimizer steps' "
+                "worth (%d): the draft sees the same few rows over and over; add data or train fewer steps",
+                self._epoch, self._epoch_usable, self.warn_below_rows)
+        self._epoch_skips, self._epoch_usable = {}, 0
+        # Roll over now so that the state always names the epoch of the next row.
+        self._set_epoch(self._epoch + 1)
+        self._position = 0
 
     def _sample(self, row: Any) -> Sample | str:
         turns = normalize_row(row)
@@ -136,6 +168,10 @@ class ChatSourceNode(tn.BaseNode[Sample]):
             return "no_loss_tokens"
         return ids, mask
 
+    def sample_or_reason(self, row: Any) -> Sample | str:
+        """``row`` as a sample, or the reason it is skipped (a ``SKIP_REASONS`` name)."""
+        return self._sample(row)
+
     def usable_samples(self):
         """Every usable row once, in source order (a counting pass; the node's state is untouched)."""
         for row in self.rows:
@@ -145,16 +181,22 @@ class ChatSourceNode(tn.BaseNode[Sample]):
 
     def next(self) -> Sample:
         for _ in range(len(self.rows)):
-            row = self.rows[self._order[self._position]]
+            index = self._order[self._position]
+            try:
+                sample = self._sample(self.rows[index])
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # e.g. a Rust tokenizer panic: name the row, never hang
+                raise row_error(e, self.describe_row(index)) from e
+            if isinstance(sample, str):
+                self._skip(sample)
+            else:
+                self._epoch_usable += 1
             self._position += 1
             if self._position == len(self.rows):
-                # Roll over now so that the state always names the epoch of the next row.
-                self._set_epoch(self._epoch + 1)
-                self._position = 0
-            sample = self._sample(row)
+                self._end_epoch()
             if not isinstance(sample, str):
                 return sample
-            self._skip(sample)
         # A whole pass without one usable row would otherwise spin forever.
         raise ValueError(
             f"data.source: none of this DP rank's {len(self.rows)} rows is usable "
@@ -168,6 +210,8 @@ class ChatSourceNode(tn.BaseNode[Sample]):
                 "epoch": self._epoch,
                 "position": self._position,
                 "skip_counts": dict(self._skip_counts),
+                "epoch_skip_counts": dict(self._epoch_skips),
+                "epoch_usable": self._epoch_usable,
                 "num_rows": len(self.rows),
             }
         }

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from titan_draft.data.chat_template import Turn
+from titan_draft.data.source_report import FileReport
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ def _iter_json_list(path: Path, *, allow_truncated: bool = False) -> Iterator[An
     complete rows, then ``BAD_JSON`` for the cut row, and logs a warning; a parse error anywhere
     else is still an error.
     """
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path)
     truncated = allow_truncated and not text.rstrip().endswith("]")
     decoder = json.JSONDecoder()
     pos = _skip_ws(text, 0)
@@ -226,15 +227,53 @@ def _skip_ws(text: str, pos: int) -> int:
     return pos
 
 
+def _read_text(path: Path) -> str:
+    """A whole .json file as text; bytes that are not UTF-8 are an error naming the file and offset
+    (inside a JSON list there is no next row to resume at)."""
+    data = _read_bytes(path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data.source: {path} is not UTF-8 text (byte {e.start}: {e.reason}); "
+                         "a JSON list file must be valid UTF-8") from None
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"data.source: cannot read {path}: {e.strerror or e}") from None
+
+
 def _iter_jsonl(path: Path) -> Iterator[Any]:
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                yield BAD_JSON
+    """Rows of a JSON Lines file; a line that is not UTF-8 or not JSON is a ``BAD_JSON`` row, and
+    where they were is logged once for the file (source_report.py)."""
+    report = FileReport(path)
+    try:
+        f = path.open("rb")
+    except OSError as e:
+        raise ValueError(f"data.source: cannot read {path}: {e.strerror or e}") from None
+    try:
+        with f:
+            for number, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    report.reject("invalid_utf8", number)
+                    yield BAD_JSON
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    report.reject("bad_json", number)
+                    yield BAD_JSON
+                    continue
+                report.good += 1
+                yield row
+    finally:  # also when max_rows stops the read early: say what was passed over so far
+        report.log()
 
 
 def _iter_file(path: Path) -> Iterator[Any]:
@@ -262,6 +301,9 @@ def _iter_source(source: str) -> Iterator[Any]:
         subfolders = sorted(p.name for p in path.iterdir() if p.is_dir())
         if subfolders:
             logger.info("data.source: subfolders of %s are not read: %s", source, subfolders)
+        others = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix not in (".json", ".jsonl"))
+        if others:
+            logger.info("data.source: files of %s that are not .json/.jsonl are not read: %s", source, others)
         if not files:
             raise ValueError(f"data.source: folder {source!r} has no .json or .jsonl files")
         for f in files:

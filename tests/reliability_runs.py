@@ -1,0 +1,50 @@
+"""Helpers of the reliability tests: a tiny job against the random target, and fault injection."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import titan_draft.train as train_module
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def job_args(dump, data: str, target: str, *extra: str) -> list[str]:
+    """The debug_random job shrunk to seconds: short rows, no TensorBoard, no profiler."""
+    return [
+        "--job.config_file", os.path.join(REPO, "train_configs", "debug_random.toml"),
+        "--job.dump_folder", str(dump),
+        "--target.path", target,
+        "--data.source", data,
+        "--data.max_length", "64",
+        "--data.max_rows", "0",
+        "--training.local_batch_size", "2",
+        "--metrics.log_freq", "1",
+        "--metrics.enable_tensorboard", "false",
+        "--profiling.enable_profiling", "false",
+        *extra,
+    ]
+
+
+def poison_features(monkeypatch, trainer, steps) -> None:
+    """Make the target's captured hidden states NaN at the given optimizer steps (a diverging
+    target or bad data row): the draft's loss and gradients become NaN there."""
+    real = train_module.compute_features
+
+    def poisoned(*args, **kwargs):
+        features = real(*args, **kwargs)
+        if trainer.train_state.step in steps:
+            features.aux_hidden = torch.full_like(features.aux_hidden, float("nan"))
+        return features
+
+    monkeypatch.setattr(train_module, "compute_features", poisoned)
+
+
+def weights(trainer) -> dict[str, torch.Tensor]:
+    """A plain copy of the draft's trainable weights (one rank: the local shard is the whole)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in trainer.model.named_parameters() if p.requires_grad}

@@ -1,0 +1,69 @@
+"""Job mistakes that need no target weights are one line, exit 2, before the target loads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import titan_draft.train as train_module
+from reliability_runs import REPO, job_args
+
+
+@pytest.fixture
+def no_trainer(monkeypatch):
+    """Fails the test if main() gets as far as building the Trainer (i.e. loading the target)."""
+
+    def refuse(cfg):
+        raise AssertionError("the target started loading before the job was checked")
+
+    monkeypatch.setattr(train_module, "Trainer", refuse)
+
+
+def _main_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        train_module.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("titan_draft: error: "), err
+    return err[-1][len("titan_draft: error: "):]
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (("--data.source", "/no/such/data.jsonl"), "data.source: '/no/such/data.jsonl' does not exist"),
+    (("--model.flavor", "huge"), "model.flavor: 'huge' is not a dflash2 flavor"),
+    (("--model.name", "nope"), "unknown model.name 'nope'; registered drafts: ['dflash2', 'eagle3'"),
+    (("--model.args.no_such_arg", "1"), "model.args: unknown dflash2 arg(s) ['no_such_arg']"),
+    (("--target.capture_layers", "1,6"), "target.capture_layers: [6] out of range: "),
+    (("--data.max_length", "8"), "data.source: none of the first 200 rows of "),
+], ids=["missing_source", "flavor", "draft", "draft_arg", "capture_layer", "max_length"])
+def test_checked_before_the_target_loads(capsys, no_trainer, chat_jsonl, random_target_dir, tmp_path, extra, expected):
+    line = _main_error(capsys, job_args(tmp_path, chat_jsonl, random_target_dir, *extra))
+    assert line.startswith(expected), line
+    if extra[0] == "--data.max_length":
+        assert "is usable with data.max_length = 8: skipped {'no_loss_tokens': 194, " in line
+        assert line.endswith("(a longer data.max_length keeps the answers)")
+    if extra[0] == "--target.capture_layers":
+        assert line.endswith("has 6 decoder layers (ids 0..5)")
+
+
+def test_a_good_job_passes_the_checks(no_trainer, chat_jsonl, random_target_dir, tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO), pytest.raises(AssertionError, match="the target started loading"):
+        train_module.main(job_args(tmp_path, chat_jsonl, random_target_dir))
+    # a first line says what is happening before the (possibly long) target load
+    assert f"-> {tmp_path}: checking it, then loading the target {random_target_dir}" in caplog.records[0].getMessage()
+
+
+def test_run_train_sh_shows_the_trainers_line_without_torchruns_report(tmp_path, chat_jsonl, random_target_dir):
+    env_path = f"{sys.executable.rsplit('/', 1)[0]}:/usr/bin:/bin"
+    proc = subprocess.run(["./run_train.sh", *job_args(tmp_path, chat_jsonl, random_target_dir, "--model.flavor", "huge")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={"PATH": env_path, "PYTHONPATH": REPO, "NGPU": "1", "HOME": str(tmp_path)})
+    assert proc.returncode != 0
+    out = (proc.stdout + proc.stderr).strip().splitlines()
+    assert "titan_draft: error: model.flavor: 'huge' is not a dflash2 flavor (" in out[-1], out  # the last line
+    text = proc.stdout + proc.stderr
+    assert "ChildFailedError" not in text and "Traceback" not in text and "Root Cause" not in text, text

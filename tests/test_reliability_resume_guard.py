@@ -1,0 +1,60 @@
+"""The resume guard: a data position is resumed only under the job keys it was saved with, or
+explicitly reset."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from titan_draft.components.resume_guard import DATA_KEYS
+from titan_draft.config import ConfigManager
+from titan_draft.distributed.utils import destroy_distributed
+from titan_draft.train import Trainer
+from reliability_runs import job_args
+from trainer_runs import run_training
+
+
+def _position(trainer):
+    state = trainer.dataloader._source_state()
+    return state["epoch"], state["position"]
+
+
+def test_changed_data_keys_are_refused_or_explicitly_reset(tmp_path, chat_jsonl, random_target_dir):
+    common = ("--training.steps", "5", "--checkpoint.interval", "2")
+    args = lambda dump, *extra: job_args(dump, chat_jsonl, random_target_dir, *common, *extra)  # noqa: E731
+    with pytest.raises(KeyboardInterrupt):
+        run_training(args(tmp_path / "run"), crash_after_step=2)
+    saved = json.loads((tmp_path / "run" / "checkpoint" / "step-2" / DATA_KEYS).read_text())
+    assert saved["data.max_length"] == 64 and saved["training.local_batch_size"] == 2
+    assert saved["data-parallel ranks"] == 1 and saved["data.chat_template"] == "qwen3"
+
+    with pytest.raises(ValueError, match=r"step-2: this job changes what its data position means \(data.max_length "
+                                         r"64 -> 128, training.local_batch_size 2 -> 3\); .*checkpoint.reset_data_position"):
+        run_training(args(tmp_path / "run", "--data.max_length", "128", "--training.local_batch_size", "3"))
+    with pytest.raises(ValueError, match=r"data.source \".*chat.jsonl\" -> \".*other.jsonl\""):
+        other = tmp_path / "other.jsonl"
+        other.write_text(open(chat_jsonl).read())
+        run_training(job_args(tmp_path / "run", str(other), random_target_dir, *common))
+
+    # reset: weights, optimizer and step resume, the data starts from row 0 under the new keys
+    changed = ("--data.max_length", "128")
+    trainer = Trainer(ConfigManager().parse_args(args(tmp_path / "run", *changed, "--checkpoint.reset_data_position", "true")))
+    try:
+        resumed = trainer.train()
+        resumed_position = _position(trainer)
+    finally:
+        trainer.close()
+        destroy_distributed()
+    assert sorted(resumed) == [3, 4, 5]
+    fresh = Trainer(ConfigManager().parse_args(job_args(tmp_path / "fresh", chat_jsonl, random_target_dir, *changed,
+                                                        "--training.steps", "3", "--checkpoint.enable", "false",
+                                                        "--checkpoint.export", "false")))
+    try:
+        fresh.train()
+        assert resumed_position == _position(fresh)  # 3 steps read from the start, as a fresh run does
+    finally:
+        fresh.close()
+        destroy_distributed()
+    # the next resume is under the new keys, so it needs no flag
+    assert json.loads((tmp_path / "run" / "checkpoint" / "step-5" / DATA_KEYS).read_text())["data.max_length"] == 128

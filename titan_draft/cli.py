@@ -1,0 +1,59 @@
+"""The trainer's command line: every failure a user can act on is one line, with an exit status.
+
+- 2: the job itself is wrong (a key, a value, a path, the draft, the data): nothing was started.
+- 1: the run could not go on (another trainer holds the dump folder, a non-finite step, a data
+  row that cannot be prepared, a save that failed); the line says what is kept.
+- 0: done, or stopped by SIGTERM/SIGINT after saving (the last line says where to resume).
+
+Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from titan_draft.components.checkpoint_errors import CheckpointSaveError
+from titan_draft.components.nonfinite import NonFiniteError
+from titan_draft.components.preflight import check_job_before_loading
+from titan_draft.components.run_lock import RunLockError
+from titan_draft.components.target import check_target_config
+from titan_draft.config import ConfigManager, validate_job_config
+from titan_draft.data.worker_errors import DataWorkerError
+from titan_draft.distributed.utils import destroy_distributed
+from titan_draft.logger import init_logger, logger
+
+RUN_ERRORS = (RunLockError, NonFiniteError, DataWorkerError, CheckpointSaveError)
+
+
+def _fail(e: BaseException, status: int):
+    print(f"titan_draft: error: {e}", file=sys.stderr)
+    raise SystemExit(status) from None
+
+
+def run_cli(build_trainer: Callable, argv: list[str] | None = None) -> None:
+    """Parse and check the job, then build the trainer with ``build_trainer(cfg)`` and train."""
+    init_logger()
+    try:
+        cfg = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
+        # the first line as soon as the job is known: loading a target can take minutes
+        logger.info(f"job {cfg.job.config_file or '(defaults)'} -> {cfg.job.dump_folder}: checking it, "
+                    f"then loading the target {cfg.target.path or 'random:' + cfg.target.flavor}")
+        validate_job_config(cfg, logger)
+        check_target_config(cfg)
+        check_job_before_loading(cfg)  # draft, source, capture layers, usable rows: before the target loads
+    except ValueError as e:
+        _fail(e, 2)
+    try:
+        trainer = build_trainer(cfg)
+    except RUN_ERRORS as e:
+        _fail(e, 1)
+    try:
+        trainer.train()
+        if trainer.stop_line:  # a stop signal: exit 0, the last line says where to resume
+            print(f"titan_draft: {trainer.stop_line}", file=sys.stderr)
+    except RUN_ERRORS as e:
+        _fail(e, 1)
+    finally:
+        trainer.close()
+        destroy_distributed()

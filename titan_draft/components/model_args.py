@@ -1,0 +1,27 @@
+"""A draft's model args for a job: its flavor, the job's overrides, then what the draft takes
+from the target, its tokenizer and the job."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titan_draft.config.job_config import JobConfig
+from titan_draft.data.chat_template import resolve_template
+from titan_draft.protocols import ArgsContext
+
+
+def resolve_model_args(spec, cfg: JobConfig, target_args, tokenizer):
+    """Flavor args, then the [model.args] overrides, then the draft's own ``update_args_fn``
+    (what it takes from the target, its tokenizer and the job)."""
+    if cfg.model.flavor not in spec.flavors:
+        raise ValueError(f"model.flavor: {cfg.model.flavor!r} is not a {spec.name} flavor ({sorted(spec.flavors)})")
+    args = spec.flavors[cfg.model.flavor]
+    names = {f.name for f in dataclasses.fields(args)}
+    unknown = sorted(set(cfg.model.args) - names)
+    if unknown:
+        raise ValueError(f"model.args: unknown {spec.name} arg(s) {unknown}; known: {sorted(names)}")
+    args = dataclasses.replace(args, **cfg.model.args)
+    ctx = ArgsContext(target=target_args, tokenizer=tokenizer, job=cfg,
+                      chat_template=resolve_template(cfg.data.chat_template, tokenizer),
+                      overrides=frozenset(cfg.model.args))
+    return spec.update_args_fn(args, ctx)

@@ -1,0 +1,83 @@
+"""The resume guard: a saved data position is only resumed under the job keys that give it its meaning.
+
+A dataloader state is "epoch e, row r of this rank's shuffled rows, skip counts so far". Another
+``data.max_length`` changes which rows are usable, another batch size or DP size changes which
+samples a step reads, another source, template or seed changes the rows themselves: a resume under
+any of them would go on silently from a position that points somewhere else. So each checkpoint
+holds ``data_keys.json`` (written before DCP's files, so a complete checkpoint always has it, and
+covered by the integrity record), and a resume compares it with the job's:
+
+- equal: resume everything;
+- different: refuse, naming every key with its saved and its new value; or, with
+  ``checkpoint.reset_data_position``, resume the weights, optimizer, lr schedule and step and start
+  the data afresh (epoch 0, row 0), saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DATA_KEYS = "data_keys.json"
+
+
+def build_data_keys(cfg, *, chat_template: str, system_prompt: str, dp_world: int) -> dict[str, Any]:
+    """The job keys a data position depends on (template and system prompt as resolved)."""
+    d, t = cfg.data, cfg.training
+    return {
+        "data.source": d.source,
+        "data.max_rows": d.max_rows,
+        "data.holdout_rows": d.holdout_rows,
+        "data.max_length": d.max_length,
+        "data.shuffle": d.shuffle,
+        "data.chat_template": chat_template,
+        "data.system_prompt": system_prompt,
+        "data.enable_thinking": d.enable_thinking,
+        "data.last_turn_only": d.last_turn_only,
+        "training.local_batch_size": t.local_batch_size,
+        "training.grad_accum_steps": t.grad_accum_steps,
+        "training.seed": t.seed,
+        "data-parallel ranks": dp_world,
+    }
+
+
+def write_data_keys(path: str, keys: dict[str, Any]) -> None:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, DATA_KEYS), "w") as f:
+        json.dump(keys, f, indent=1)
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v)  # long values are system prompts; paths stay whole
+    return text if len(text) <= 200 else text[:197] + '..."'
+
+
+def check_data_keys(path: str, keys: dict[str, Any] | None, reset: bool) -> bool:
+    """Compare the checkpoint ``path``'s data keys with this job's ``keys``. Returns whether the
+    saved data position must be left out of the load (``reset`` and a difference). Raises
+    ValueError naming the keys on a difference without ``reset``."""
+    file = os.path.join(path, DATA_KEYS)
+    if keys is None:
+        return False
+    if not os.path.isfile(file):
+        logger.warning("checkpoint: %s has no %s (an older version saved it): the job keys of its data "
+                       "position cannot be compared", path, DATA_KEYS)
+        return reset
+    with open(file) as f:
+        saved = json.load(f)
+    diff = [k for k in keys if saved.get(k) != keys[k]]
+    if not diff:
+        return False
+    changes = ", ".join(f"{k} {_short(saved.get(k))} -> {_short(keys[k])}" for k in diff)
+    if not reset:
+        raise ValueError(
+            f"checkpoint {path}: this job changes what its data position means ({changes}); resume with "
+            f"the saved values, or set checkpoint.reset_data_position = true to keep the weights, "
+            f"optimizer and step and start the data from the beginning")
+    logger.warning("checkpoint: %s; checkpoint.reset_data_position: resuming the weights, optimizer and "
+                   "step, the data starts from the beginning", changes)
+    return True
