@@ -19,13 +19,20 @@ from titan_draft.components.export import export_draft
 from titan_draft.components.float8 import Float8Converter
 from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.metrics import MetricsLogger, get_peak_flops
+from titan_draft.components.offline_source import (
+    build_features_fn,
+    build_offline_dataloader,
+    build_offline_target,
+    check_feature_cache,
+    is_offline,
+    load_feature_cache,
+)
 from titan_draft.components.optimizer import build_optimizer
 from titan_draft.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titan_draft.components.target import (
     build_target,
     build_target_tokenizer,
     check_target_config,
-    compute_features,
 )
 from titan_draft.config import ConfigManager, validate_job_config, write_job_config
 from titan_draft.config.job_config import JobConfig
@@ -89,27 +96,41 @@ class Trainer:
 
         # Target: built on the meta device, sharded, then each rank loads only its shard.
         target_dtype = cfg.target.dtype if on_gpu else "float32"  # CPU runs everything in fp32
-        self.target = build_target(cfg, self.device, to_dtype(target_dtype), mesh=self.dp_mesh)
+        build = build_offline_target if is_offline(cfg) else build_target  # offline: features from disk
+        self.target = build(cfg, self.device, to_dtype(target_dtype), mesh=self.dp_mesh)
         self.tokenizer = build_target_tokenizer(cfg, self.target.args.vocab_size)
         self.model_args = resolve_model_args(self.spec, cfg, self.target.args, self.tokenizer)
         self.layer_ids = list(self.spec.capture_layers_fn(self.model_args))
         reserved = self.spec.reserved_tokens_fn
         self.reserved_tokens = list(reserved(self.model_args)) if reserved is not None else []
+        self.features_fn = build_features_fn(cfg, self.target.model, self.layer_ids, self.spec.needs_last_hidden,
+                                             to_dtype(target_dtype))
+        feature_cache = None
+        if is_offline(cfg):  # refuse a cache of other features before the data pass and the model
+            feature_cache = load_feature_cache(
+                cfg, self.target, self.tokenizer, layer_ids=self.layer_ids, need_last_hidden=self.spec.needs_last_hidden,
+                reserved_ids=self.reserved_tokens, dp_rank=self.dp_rank, dp_world=self.dp_world)
         if self.spec.prepare_fn is not None:  # a pass over the data before the model exists
             self.model_args = self.spec.prepare_fn(self.model_args, self._prepare_context())
 
         pad_multiple = 16 if cfg.float8.enable else 1
-        self.dataloader = build_dataloader(
-            cfg.data,
-            self.tokenizer,
-            dp_rank=self.dp_rank,
-            dp_world=self.dp_world,
-            local_batch_size=cfg.training.local_batch_size,
-            seed=cfg.training.seed,
-            static_shapes=cfg.training.static_shapes,
-            pad_multiple=pad_multiple,
-            reserved_ids=frozenset(self.reserved_tokens),
-        )
+        if feature_cache is not None:
+            self.dataloader = build_offline_dataloader(
+                cfg, feature_cache, self.tokenizer, layer_ids=self.layer_ids,
+                need_last_hidden=self.spec.needs_last_hidden, dp_rank=self.dp_rank, dp_world=self.dp_world,
+                pad_multiple=pad_multiple)
+        else:
+            self.dataloader = build_dataloader(
+                cfg.data,
+                self.tokenizer,
+                dp_rank=self.dp_rank,
+                dp_world=self.dp_world,
+                local_batch_size=cfg.training.local_batch_size,
+                seed=cfg.training.seed,
+                static_shapes=cfg.training.static_shapes,
+                pad_multiple=pad_multiple,
+                reserved_ids=frozenset(self.reserved_tokens),
+            )
         self.total_steps = self._total_steps()
 
         torch.manual_seed(cfg.training.seed)
@@ -160,6 +181,8 @@ class Trainer:
             "system_prompt": resolve_system_prompt(cfg.data.system_prompt, self.tokenizer, template),
             "enable_thinking": cfg.data.enable_thinking,
             "data_source": cfg.data.source,
+            "features": (f"offline: {cfg.data.feature_cache} ({feature_cache['storage']})" if feature_cache
+                         else "online"),
             "holdout_rows": cfg.data.holdout_rows,
             "eval_prompts": [p.name for p in self.evaluator.prompts] if self.evaluator.enabled else [],
             # tokens the draft reserves (DFlash: its mask token), as ids and text
@@ -229,7 +252,7 @@ class Trainer:
         denom = torch.zeros((), device=self.device, dtype=torch.float64)
         for micro, batch in enumerate(micro_batches):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            features = compute_features(self.target.model, batch, self.layer_ids, self.spec.needs_last_hidden)
+            features = self.features_fn(batch)
             out = self.model(features, generator=self._generator(step, micro))
             out.loss_sum.backward()
             loss_sum += out.loss_sum.detach().double()
@@ -356,6 +379,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
         validate_job_config(cfg, logger)
         check_target_config(cfg)
+        check_feature_cache(cfg)
     except ValueError as e:
         # a bad job file or flag: one clear line, no traceback
         print(f"titan_draft: error: {e}", file=sys.stderr)
