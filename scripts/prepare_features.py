@@ -157,7 +157,7 @@ def prepare(argv: list[str]) -> dict:
     if rank == 0:
         shards = [e for r in range(world) for e in read_rank_index(a.out, r)]
         meta.update(complete=True, rows=sum(s["rows"] for s in shards), tokens=sum(s["tokens"] for s in shards),
-                    bytes=sum(s["bytes"] for s in shards), shards=shards)
+                    bytes=sum(s["bytes"] for s in shards), rank0_timing=result, shards=shards)
         write_json_atomic(os.path.join(a.out, MANIFEST), meta)
         logger.info(f"prepare: {a.out} complete: {meta['rows']} rows, {meta['tokens']} tokens, "
                     f"{meta['bytes'] / 2**30:.2f} GiB in {len(shards)} shards")

@@ -18,12 +18,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from titan_draft.components.synthetic_target import build_synthetic_target, is_synthetic_target
 from titan_draft.components.target import build_target, compute_features, read_hf_config
 from titan_draft.data.chat_template import resolve_template
 from titan_draft.data.feature_manifest import check_cache_files, check_manifest, job_facts, load_manifest
 from titan_draft.data.feature_pipeline import build_feature_dataloader, rank_shards
 from titan_draft.data.feature_shards import dequantize
-from titan_draft.data.synthetic_source import is_synthetic_source
 from titan_draft.data.system_prompt import resolve_system_prompt
 from titan_draft.protocols import TargetFeatures
 from titan_draft.protocols.target_spec import TargetBundle, target_spec_for_model_type
@@ -67,6 +67,8 @@ def build_offline_target(cfg: Any, device: torch.device, dtype: torch.dtype, mes
         logger.info("offline mode: the whole target is loaded for the true-τ eval (eval.enable)")
         return build_target(cfg, device, dtype, mesh=mesh)
     path = cfg.target.path
+    if not path and is_synthetic_target(cfg.target.flavor):  # benchmarks: its tables are drawn on demand
+        return build_synthetic_target(cfg, device, dtype)
     if path:
         hf_config = read_hf_config(path)
         spec = target_spec_for_model_type(hf_config["model_type"], os.path.join(path, "config.json"))
@@ -91,8 +93,6 @@ def check_feature_cache(cfg: Any) -> None:
     recorded size. (The job-facts check and the checksums need the draft and run per rank.)"""
     if not is_offline(cfg):
         return
-    if is_synthetic_source(cfg.data.source) or (cfg.target.flavor.startswith("synthetic:") and not cfg.target.path):
-        raise ValueError("data.feature_cache: a synthetic data source or target has no features to cache")
     manifest = load_manifest(cfg.data.feature_cache)
     check_cache_files(cfg.data.feature_cache, manifest["shards"], verify=False)
 
@@ -109,6 +109,11 @@ def load_feature_cache(cfg: Any, target: TargetBundle, tokenizer: Any, *, layer_
                       resolve_system_prompt(cfg.data.system_prompt, tokenizer, template),
                       layer_ids, need_last_hidden, reserved_ids)
     check_manifest(manifest, facts, os.path.join(folder, "manifest.json"))
+    if manifest["facts"]["data"] != facts["data"]:
+        # offline, data.source feeds only a draft's data pass (EAGLE-3's vocabulary) and the eval's
+        # held-out prompts; a cache moved to another machine legitimately names another path
+        logger.warning(f"data.feature_cache: the cache's rows came from {manifest['facts']['data']}, this job "
+                       f"names {facts['data']} (used offline only by a draft's data pass and eval prompts)")
     check_cache_files(folder, manifest["shards"], verify=False)
     if cfg.data.feature_cache_verify:
         check_cache_files(folder, rank_shards(manifest["shards"], dp_rank, dp_world), verify=True)
