@@ -52,6 +52,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="dtype of the stored features (float8_e4m3: per-token scale, half of bfloat16's bytes)")
     p.add_argument("--shard-mb", type=float, default=1024.0,
                    help="features per shard file in MiB (each DP rank of training reads whole shards)")
+    p.add_argument("--estimate", action="store_true",
+                   help="only render the rows and print the cache's size (no target forward, nothing written)")
     p.add_argument("--last-hidden", action="store_true",
                    help="also store the final-norm last hidden state when the job's draft does not need it")
     return p.parse_known_args(argv)
@@ -85,6 +87,32 @@ def _any_rank(flag: bool, world: int, device: torch.device) -> bool:
     return bool(t.item())
 
 
+def bytes_per_token(num_layers: int, hidden_size: int, storage: str) -> float:
+    """Disk bytes of one cached token: the hidden tensors (and float8's per-token scales), its id
+    (int32) and its loss-mask byte."""
+    width = {"bfloat16": 2, "float32": 4, "float8_e4m3": 1}[storage]
+    scale = 4 if storage == "float8_e4m3" else 0
+    return num_layers * (hidden_size * width + scale) + 4 + 1
+
+
+def _estimate(cfg, tokenizer, reserved, layer_ids, need_last, storage, hidden_size, rank, world, device) -> dict:
+    rows = tokens = 0
+    for ids, _ in epoch_samples(cfg.data, tokenizer, dp_rank=rank, dp_world=world, seed=cfg.training.seed,
+                                reserved_ids=frozenset(reserved)):
+        rows += 1
+        tokens += len(ids)
+    if world > 1:
+        t = torch.tensor([rows, tokens], device=device)
+        dist.all_reduce(t)
+        rows, tokens = t.tolist()
+    per_token = bytes_per_token(len(layer_ids) + int(need_last), hidden_size, storage)
+    est = {"rows": rows, "tokens": tokens, "bytes_per_token": per_token, "bytes": per_token * tokens}
+    logger.info(f"prepare --estimate: {rows} usable rows, {tokens} tokens x {per_token:.0f} bytes/token "
+                f"({len(layer_ids)} capture layers{' + last hidden' if need_last else ''} x {hidden_size}, {storage}) "
+                f"= {est['bytes'] / 2**30:.2f} GiB")
+    return est
+
+
 def prepare(argv: list[str]) -> dict:
     """Run the capture; returns the manifest (rank 0) or this rank's summary."""
     a, job_argv = parse_args(argv)
@@ -108,6 +136,9 @@ def prepare(argv: list[str]) -> dict:
     facts = job_facts(cfg, target.args, tokenizer, template,
                       resolve_system_prompt(cfg.data.system_prompt, tokenizer, template),
                       layer_ids, need_last, reserved)
+    if a.estimate:
+        return _estimate(cfg, tokenizer, reserved, layer_ids, need_last, a.storage, target.args.hidden_size, rank,
+                         world, device)
     meta = {"format": FORMAT, "complete": False, "storage": a.storage, "prepare_world": world,
             "target_dtype": target_dtype, "draft": cfg.model.name, "facts": facts}
     os.makedirs(a.out, exist_ok=True)

@@ -35,6 +35,11 @@ def test_interrupted_prepare_resumes_to_the_same_cache(tmp_path, random_target_d
     argv = job_argv("dflash2", tmp_path / "dump", random_target_dir, chat_jsonl)
     options = ("--shard-mb", "0.03")
     reference = prepare_cache(tmp_path / "ref", argv, *options)
+    # --estimate renders the same rows and predicts the bytes (the files add only their headers)
+    est = prepare_cache(tmp_path / "est", argv, *options, "--estimate")
+    assert (est["rows"], est["tokens"]) == (reference["rows"], reference["tokens"])
+    assert 0 <= reference["bytes"] - est["bytes"] < 1024 * len(reference["shards"])
+    assert not (tmp_path / "est").exists()
 
     add, calls = ShardWriter.add, []
 
