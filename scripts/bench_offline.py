@@ -238,8 +238,9 @@ def report(a) -> str:
         lines.append(f"\n- online target cost: {cost:.2f} µs/token (online step - synthetic step)")
     if "prepare" in r:
         p = r["prepare"]
-        lines.append(f"- prepare: {p['rows']} rows, {p['tokens']} tokens: target forward {p['forward_us_per_token']:.2f} "
-                     f"µs/token, end to end (writing overlapped) {p['total_us_per_token']:.2f} µs/token")
+        lines.append(f"- prepare: {p['rows']} rows, {p['tokens']} tokens: target forward "
+                     f"{p['forward_us_per_token']:.2f} µs/token, end to end (writing overlapped) "
+                     f"{p['total_us_per_token']:.2f} µs/token")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(a.out, "offline_results.md"), "w") as f:
         f.write(text)

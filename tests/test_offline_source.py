@@ -131,15 +131,17 @@ def test_checksum_mismatch_refused_before_start(cache, tmp_path):
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
-    assert _refused(cache["argv"] + ["--data.feature_cache", folder]) == (f"data.feature_cache: shard {path} fails its sha256 checksum (corrupted; delete it and "
-                            "its index line, then run prepare again)")
+    assert _refused(cache["argv"] + ["--data.feature_cache", folder]) == (
+        f"data.feature_cache: shard {path} fails its sha256 checksum (corrupted; delete it and its index line, "
+        "then run prepare again)")
     # without the checksum pass, the size check alone cannot see it (and says nothing)
     assert run_training(cache["argv"] + ["--data.feature_cache", folder, "--data.feature_cache_verify", "false",
                                          "--training.steps", "1"])
 
 
 @pytest.mark.parametrize("override, match", [
-    (["--data.max_length", "32"], r"^data.max_length: .*manifest.json was captured with max_length 48, this job has 32$"),
+    (["--data.max_length", "32"],
+     r"^data.max_length: .*manifest.json was captured with max_length 48, this job has 32$"),
     (["--target.capture_layers", "[0, 2]"], r"^target.capture_layers: .*manifest.json holds capture layers \[1, 3\]"),
     (["--data.enable_thinking", "true"], r"^data.enable_thinking: .*manifest.json was captured with enable_thinking"),
     (["--data.system_prompt", "You are a pirate."], r"^data.system_prompt: .*manifest.json was captured with system"),

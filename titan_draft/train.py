@@ -108,8 +108,9 @@ class Trainer:
         feature_cache = None
         if is_offline(cfg):  # refuse a cache of other features before the data pass and the model
             feature_cache = load_feature_cache(
-                cfg, self.target, self.tokenizer, layer_ids=self.layer_ids, need_last_hidden=self.spec.needs_last_hidden,
-                reserved_ids=self.reserved_tokens, dp_rank=self.dp_rank, dp_world=self.dp_world)
+                cfg, self.target, self.tokenizer, layer_ids=self.layer_ids,
+                need_last_hidden=self.spec.needs_last_hidden, reserved_ids=self.reserved_tokens,
+                dp_rank=self.dp_rank, dp_world=self.dp_world)
         if self.spec.prepare_fn is not None:  # a pass over the data before the model exists
             self.model_args = self.spec.prepare_fn(self.model_args, self._prepare_context())
 
