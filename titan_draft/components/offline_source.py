@@ -25,6 +25,7 @@ from titan_draft.data.feature_manifest import check_cache_files, check_manifest,
 from titan_draft.data.feature_pipeline import build_feature_dataloader, rank_shards
 from titan_draft.data.feature_shards import dequantize
 from titan_draft.data.system_prompt import resolve_system_prompt
+from titan_draft.distributed.utils import select_device_type
 from titan_draft.protocols import TargetFeatures
 from titan_draft.protocols.target_spec import TargetBundle, target_spec_for_model_type
 
@@ -127,7 +128,8 @@ def build_offline_dataloader(cfg: Any, manifest: dict[str, Any], tokenizer: Any,
     return build_feature_dataloader(
         cfg.data.feature_cache, manifest["shards"], data_cfg=cfg.data, pad_id=tokenizer.pad_id, dp_rank=dp_rank,
         dp_world=dp_world, local_batch_size=t.local_batch_size, seed=t.seed, static_shapes=t.static_shapes,
-        pad_multiple=pad_multiple, layer_ids=layer_ids, need_last_hidden=need_last_hidden)
+        pad_multiple=pad_multiple, layer_ids=layer_ids, need_last_hidden=need_last_hidden,
+        pin_memory=select_device_type(cfg.job.device) == "cuda")
 
 
 def features_from_batch(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> TargetFeatures:
