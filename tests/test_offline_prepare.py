@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from offline_cache import REPO, job_argv, prepare_cache
+from titan_draft.data.feature_manifest import load_manifest
 from titan_draft.data.feature_writer import ShardWriter
 
 
@@ -63,9 +64,7 @@ def test_interrupted_prepare_resumes_to_the_same_cache(tmp_path, random_target_d
     (cut / "shard-r000-00009.safetensors").write_bytes(b"not listed")
     with open(cut / "index.rank000.jsonl", "a") as f:
         f.write('{"file": "shard-r000-0000')
-    with pytest.raises(ValueError, match="manifest.json is missing|is not complete"):
-        from titan_draft.data.feature_manifest import load_manifest
-
+    with pytest.raises(ValueError, match="is not complete"):  # training refuses it meanwhile
         load_manifest(str(cut))
     resumed = prepare_cache(cut, argv, *options)
     assert len(resumed["shards"]) >= 4 and _same(_shards(cut, resumed), _shards(tmp_path / "ref", reference))
