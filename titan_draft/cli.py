@@ -15,6 +15,7 @@ from typing import Callable
 
 from titan_draft.components.checkpoint_errors import CheckpointSaveError
 from titan_draft.components.nonfinite import NonFiniteError
+from titan_draft.components.offline_source import check_feature_cache
 from titan_draft.components.preflight import check_job_before_loading
 from titan_draft.components.run_lock import RunLockError
 from titan_draft.components.target import check_target_config
@@ -42,6 +43,7 @@ def run_cli(build_trainer: Callable, argv: list[str] | None = None) -> None:
         validate_job_config(cfg, logger)
         check_target_config(cfg)
         check_job_before_loading(cfg)  # draft, source, capture layers, usable rows: before the target loads
+        check_feature_cache(cfg)  # offline: the cache's manifest and shards exist and are whole
     except ValueError as e:
         _fail(e, 2)
     try:

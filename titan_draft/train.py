@@ -11,6 +11,7 @@ import os
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from titan_draft.cli import run_cli
 from titan_draft.components.checkpoint import CheckpointManager, TrainState
@@ -20,22 +21,26 @@ from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.metrics import LogWindow, MetricsLogger, get_peak_flops
 from titan_draft.components.model_args import resolve_model_args
 from titan_draft.components.nonfinite import build_nonfinite_guard
+from titan_draft.components.offline_source import (
+    build_features_fn,
+    build_offline_dataloader,
+    build_offline_target,
+    is_offline,
+    load_feature_cache,
+)
 from titan_draft.components.optimizer import build_optimizer
 from titan_draft.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titan_draft.components.resume_guard import build_data_keys
+from titan_draft.components.run_info import build_run_info
 from titan_draft.components.run_lock import maybe_acquire_run_lock
 from titan_draft.components.signals import maybe_handle_stop_signals
-from titan_draft.components.target import (
-    build_target,
-    build_target_tokenizer,
-    compute_features,
-)
+from titan_draft.components.target import build_target, build_target_tokenizer
 from titan_draft.config import write_job_config
 from titan_draft.config.job_config import JobConfig
 from titan_draft.data.chat_template import resolve_template
 from titan_draft.data.pipeline import build_dataloader, epoch_samples
 from titan_draft.data.system_prompt import resolve_system_prompt
-from titan_draft.distributed.parallelize import mixed_precision_dtypes, to_dtype
+from titan_draft.distributed.parallelize import to_dtype
 from titan_draft.distributed.utils import (
     ParallelDims,
     init_distributed,
@@ -73,28 +78,43 @@ class Trainer:
 
         # Target: built on the meta device, sharded, then each rank loads only its shard.
         target_dtype = cfg.target.dtype if on_gpu else "float32"  # CPU runs everything in fp32
-        self.target = build_target(cfg, self.device, to_dtype(target_dtype), mesh=self.parallel_dims.shard_mesh)
+        build = build_offline_target if is_offline(cfg) else build_target  # offline: features from disk
+        self.target = build(cfg, self.device, to_dtype(target_dtype), mesh=self.parallel_dims.shard_mesh)
         self.tokenizer = build_target_tokenizer(cfg, self.target.args.vocab_size)
         self.model_args = resolve_model_args(self.spec, cfg, self.target.args, self.tokenizer)
         self.layer_ids = list(self.spec.capture_layers_fn(self.model_args))
         reserved = self.spec.reserved_tokens_fn
         self.reserved_tokens = list(reserved(self.model_args)) if reserved is not None else []
+        self.features_fn = build_features_fn(cfg, self.target.model, self.layer_ids, self.spec.needs_last_hidden,
+                                             to_dtype(target_dtype))
+        feature_cache = None
+        if is_offline(cfg):  # refuse a cache of other features before the data pass and the model
+            feature_cache = load_feature_cache(
+                cfg, self.target, self.tokenizer, layer_ids=self.layer_ids,
+                need_last_hidden=self.spec.needs_last_hidden, reserved_ids=self.reserved_tokens,
+                dp_rank=self.dp_rank, dp_world=self.dp_world)
         if self.spec.prepare_fn is not None:  # a pass over the data before the model exists
             self.model_args = self.spec.prepare_fn(self.model_args, self._prepare_context())
 
         pad_multiple = 16 if cfg.float8.enable else 1
-        self.dataloader = build_dataloader(
-            cfg.data,
-            self.tokenizer,
-            dp_rank=self.dp_rank,
-            dp_world=self.dp_world,
-            local_batch_size=cfg.training.local_batch_size,
-            seed=cfg.training.seed,
-            static_shapes=cfg.training.static_shapes,
-            pad_multiple=pad_multiple,
-            reserved_ids=frozenset(self.reserved_tokens),
-            warn_below_rows=10 * cfg.training.local_batch_size * cfg.training.grad_accum_steps,
-        )
+        if feature_cache is not None:
+            self.dataloader = build_offline_dataloader(
+                cfg, feature_cache, self.tokenizer, layer_ids=self.layer_ids,
+                need_last_hidden=self.spec.needs_last_hidden, dp_rank=self.dp_rank, dp_world=self.dp_world,
+                pad_multiple=pad_multiple)
+        else:
+            self.dataloader = build_dataloader(
+                cfg.data,
+                self.tokenizer,
+                dp_rank=self.dp_rank,
+                dp_world=self.dp_world,
+                local_batch_size=cfg.training.local_batch_size,
+                seed=cfg.training.seed,
+                static_shapes=cfg.training.static_shapes,
+                pad_multiple=pad_multiple,
+                reserved_ids=frozenset(self.reserved_tokens),
+                warn_below_rows=10 * cfg.training.local_batch_size * cfg.training.grad_accum_steps,
+            )
         self.total_steps = self._total_steps()
 
         torch.manual_seed(cfg.training.seed)
@@ -136,35 +156,8 @@ class Trainer:
                                    reserved_ids=self.reserved_tokens)
         self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device)) if on_gpu else None
 
-        self.run_info = {
-            "device": str(self.device),
-            "backend": self.dist.backend,
-            "world_size": self.dp_world,
-            "parallelism": {"dp_replicate": self.parallel_dims.dp_replicate, "dp_shard": self.parallel_dims.dp_shard},
-            "draft": f"{cfg.model.name}/{cfg.model.flavor}",
-            "draft_trainable_params": n_params,
-            "target": self.target.source,
-            "tokenizer": self.tokenizer.name,
-            "chat_template": template,
-            "system_prompt": resolve_system_prompt(cfg.data.system_prompt, self.tokenizer, template),
-            "enable_thinking": cfg.data.enable_thinking,
-            "data_source": cfg.data.source,
-            "holdout_rows": cfg.data.holdout_rows,
-            "eval_prompts": [p.name for p in self.evaluator.prompts] if self.evaluator.enabled else [],
-            # tokens the draft reserves (DFlash: its mask token), as ids and text
-            "reserved_tokens": [[i, self.tokenizer.decode([i]) if i < self.tokenizer.n_vocab else None]
-                                for i in self.reserved_tokens],
-            "target_dtype": target_dtype,
-            "capture_layers": self.layer_ids,
-            "param_dtype": mixed_precision_dtypes(cfg, self.device.type)[0],
-            "static_shapes": cfg.training.static_shapes,
-            "compile": cfg.compile.enable,
-            "float8": self.float8.describe() if hasattr(self.float8, "describe") else self.float8.enabled,
-            "activation_checkpoint": cfg.activation_checkpoint.mode,
-            "attention": "flex (compiled)" if on_gpu else "sdpa with dense mask (cpu)",
-            "total_steps": self.total_steps,
-            "global_batch_size": cfg.training.local_batch_size * cfg.training.grad_accum_steps * self.dp_world,
-        }
+        self.run_info = build_run_info(self, target_dtype=target_dtype, template=template, n_params=n_params,
+                                       feature_cache=feature_cache)
         logger.info("run: " + json.dumps(self.run_info))
         if self.dist.rank == 0:
             write_job_config(cfg, os.path.join(cfg.job.dump_folder, "job_config.toml"))
@@ -218,7 +211,7 @@ class Trainer:
         denom = torch.zeros((), device=self.device, dtype=torch.float64)
         for micro, batch in enumerate(micro_batches):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            features = compute_features(self.target.model, batch, self.layer_ids, self.spec.needs_last_hidden)
+            features = self.features_fn(batch)
             out = self.model(features, generator=self._generator(step, micro))
             out.loss_sum.backward()
             loss_sum += out.loss_sum.detach().double()
@@ -239,7 +232,7 @@ class Trainer:
                 p.grad.mul_(scale)
         max_norm = self.cfg.training.max_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-        if hasattr(grad_norm, "full_tensor"):
+        if isinstance(grad_norm, DTensor):  # FSDP2: the norm of the sharded gradients
             grad_norm = grad_norm.full_tensor()
         applied = self.nonfinite.allow_update(step, flat[0], grad_norm)  # raises to stop
         if applied:

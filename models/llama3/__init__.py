@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from models.qwen3 import Qwen3Args, Qwen3Model, load_hf_state_dict, qwen3_flavors, save_hf_checkpoint
+from models.qwen3 import Qwen3Args, Qwen3Model, load_hf_state_dict, load_hf_tables, qwen3_flavors, save_hf_checkpoint
 from models.qwen3.args import hf_decoder_kwargs
 from titan_draft.protocols.target_spec import TargetSpec, register_target_spec
 
@@ -49,6 +49,7 @@ register_target_spec(
         model_cls=Qwen3Model,
         args_from_hf_config=args_from_hf_config,
         load_hf_state_dict=load_hf_state_dict,
+        load_tables=load_hf_tables,
         save_hf_checkpoint=save_hf_checkpoint,
         flavors=TARGET_FLAVORS,
     )

@@ -5,6 +5,7 @@ from models.qwen3.model import Qwen3Model
 from models.qwen3.state_dict import (
     hf_key_to_local,
     load_hf_state_dict,
+    load_hf_tables,
     local_key_to_hf,
     save_hf_checkpoint,
 )
@@ -15,6 +16,7 @@ __all__ = [
     "Qwen3Model",
     "hf_key_to_local",
     "load_hf_state_dict",
+    "load_hf_tables",
     "local_key_to_hf",
     "qwen3_flavors",
     "save_hf_checkpoint",
@@ -27,6 +29,7 @@ register_target_spec(
         model_cls=Qwen3Model,
         args_from_hf_config=Qwen3Args.from_hf_config,
         load_hf_state_dict=load_hf_state_dict,
+        load_tables=load_hf_tables,
         save_hf_checkpoint=save_hf_checkpoint,
         flavors=qwen3_flavors,
     )

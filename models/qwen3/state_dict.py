@@ -153,6 +153,30 @@ def load_hf_state_dict(model: torch.nn.Module, folder: str) -> None:
                     _copy_from_file(expected[local], f, key)
 
 
+def load_hf_tables(folder: str, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(embedding, lm_head)`` ``[V, H]`` read alone from an HF folder (offline training needs
+    the frozen tables, not the decoder): the lm_head is the embedding when the args tie them."""
+    files, weight_map = _checkpoint_files(folder)
+    want = ["model.embed_tokens.weight"] + ([] if args.tie_word_embeddings else ["lm_head.weight"])
+    found: dict[str, torch.Tensor] = {}
+    for path in files:
+        if weight_map is not None and not any(weight_map.get(k) == os.path.basename(path) for k in want):
+            continue
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in want:
+                if key in f.keys():
+                    found[key] = f.get_tensor(key)
+    missing = [k for k in want if k not in found]
+    if missing:
+        raise KeyError(f"missing keys in {folder}: {missing}")
+    shape = (args.vocab_size, args.hidden_size)
+    for key, t in found.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"shape mismatch for {key!r} in {folder}: checkpoint {tuple(t.shape)}, model {shape}")
+    embed = found["model.embed_tokens.weight"]
+    return embed, found.get("lm_head.weight", embed)
+
+
 def save_hf_checkpoint(model: torch.nn.Module, folder: str, *, dtype: torch.dtype,
                        max_shard_bytes: int = 0) -> list[str]:
     """Write ``model``'s weights as an HF checkpoint: ``model.safetensors``, or shards plus

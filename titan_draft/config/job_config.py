@@ -92,6 +92,15 @@ class Data:
     holdout_rows: int = 0
     """Hold out the first N rows of data.source: training reads the rows after them, and the
     eval's 'holdout' prompts are their first user turns (the split is written to run_info.json)."""
+    feature_cache: str = ""
+    """Offline mode: a folder written by scripts/prepare_features.py for this job. Training reads
+    the target's captured features from it instead of running the target (whose embedding and
+    lm_head are still read from target.path; the whole target is loaded only for eval.enable).
+    The job refuses to start, naming the field, when the cache was captured with another target,
+    tokenizer, template, max_length or capture layers. Empty: online (the target runs every step)."""
+    feature_cache_verify: bool = True
+    """Offline mode: check every shard this DP rank reads against its sha256 before training (reads
+    the rank's part of the cache once). Sizes and the manifest are always checked."""
 
 
 @dataclass

@@ -39,6 +39,9 @@ class TargetSpec:
     load_hf_state_dict: Callable[[nn.Module, str], None]
     """(model with allocated, possibly sharded, parameters; folder) -> None: reads each rank's
     rows straight from the safetensors files, checking every key and shape first."""
+    load_tables: Callable[[str, Any], tuple[Any, Any]] | None = None
+    """(folder, args) -> (embedding, lm_head) ``[V, H]`` read alone, without the decoder: what
+    offline training (features from disk) needs of the target."""
     save_hf_checkpoint: Callable[..., None] | None = None
     """(model, folder, *, dtype, max_shard_bytes) -> None: writes the HF weights (random targets)."""
     flavors: dict[str, Any] = field(default_factory=dict)

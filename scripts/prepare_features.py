@@ -1,0 +1,211 @@
+"""Capture a job's target features once, for offline training (``data.feature_cache``).
+
+Takes the training job itself (its TOML and ``--section.key value`` overrides): the same target,
+sharded with FSDP2 as training shards it, the same data pipeline (tokenizer, chat template, loss
+mask, max_length, reserved-token filter) and the capture layers the job's draft reads.
+
+    python scripts/prepare_features.py --out outputs/features/eagle3_debug \\
+        --job.config_file train_configs/eagle3_debug.toml
+    torchrun --nproc_per_node 8 scripts/prepare_features.py --out /nvme/features/run1 \\
+        --job.config_file train_configs/dflash2_smollm2.toml
+    ./run_train.sh --job.config_file train_configs/dflash2_smollm2.toml --data.feature_cache /nvme/features/run1
+
+Each rank renders its rows (``r, r + W, ...`` of the source, in source order), runs the target in
+batches of ``training.local_batch_size`` and writes ``shard-r<rank>-<k>.safetensors`` files of
+about ``--shard-mb`` (titan_draft/data/feature_shards.py) from a background thread. An
+interrupted run started again with the same arguments continues after the last finished shard.
+When every rank is done, rank 0 writes ``manifest.json`` (what the features were captured from,
+every shard's size and sha256); training refuses a cache without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from titan_draft.components.target import build_target, build_target_tokenizer, check_target_config  # noqa: E402
+from titan_draft.config import ConfigManager, validate_job_config  # noqa: E402
+from titan_draft.data.chat_template import resolve_template  # noqa: E402
+from titan_draft.data.feature_manifest import MANIFEST, job_facts, read_rank_index, write_json_atomic  # noqa: E402
+from titan_draft.data.feature_shards import FORMAT, STORAGE_DTYPES  # noqa: E402
+from titan_draft.data.feature_writer import ShardWriter, resume_rank  # noqa: E402
+from titan_draft.data.pipeline import collate_chat, epoch_samples  # noqa: E402
+from titan_draft.data.system_prompt import resolve_system_prompt  # noqa: E402
+from titan_draft.distributed.parallelize import to_dtype  # noqa: E402
+from titan_draft.distributed.utils import ParallelDims, destroy_distributed, init_distributed  # noqa: E402
+from titan_draft.logger import init_logger, logger  # noqa: E402
+from titan_draft.protocols import get_model_spec  # noqa: E402
+from titan_draft.train import resolve_model_args  # noqa: E402
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=True)
+    p.add_argument("--out", required=True, help="cache folder (data.feature_cache of the training job)")
+    p.add_argument("--storage", default="bfloat16", choices=STORAGE_DTYPES,
+                   help="dtype of the stored features (float8_e4m3: per-token scale, half of bfloat16's bytes)")
+    p.add_argument("--shard-mb", type=float, default=1024.0,
+                   help="features per shard file in MiB (each DP rank of training reads whole shards)")
+    p.add_argument("--estimate", action="store_true",
+                   help="only render the rows and print the cache's size (no target forward, nothing written)")
+    p.add_argument("--last-hidden", action="store_true",
+                   help="also store the final-norm last hidden state when the job's draft does not need it")
+    return p.parse_known_args(argv)
+
+
+def _check_resume(folder: str, meta: dict, world: int) -> None:
+    """An interrupted run continues only with the same job facts, storage and world size."""
+    import json
+
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        old = json.load(f)
+    for key in ("storage", "prepare_world"):
+        if old.get(key) != meta[key]:
+            raise ValueError(f"--out: {path} was started with {key} {old.get(key)!r}, this run has {meta[key]!r}")
+    for key, value in meta["facts"].items():
+        if old["facts"].get(key) != value:
+            raise ValueError(f"--out: {path} was started with another {key} ({old['facts'].get(key)!r}, "
+                             f"now {value!r}); use a new folder")
+    if old.get("complete"):
+        raise ValueError(f"--out: {path} is already complete")
+
+
+def _any_rank(flag: bool, world: int, device: torch.device) -> bool:
+    if world == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def bytes_per_token(num_layers: int, hidden_size: int, storage: str) -> float:
+    """Disk bytes of one cached token: the hidden tensors (and float8's per-token scales), its id
+    (int32) and its loss-mask byte."""
+    width = {"bfloat16": 2, "float32": 4, "float8_e4m3": 1}[storage]
+    scale = 4 if storage == "float8_e4m3" else 0
+    return num_layers * (hidden_size * width + scale) + 4 + 1
+
+
+def _estimate(cfg, tokenizer, reserved, layer_ids, need_last, storage, hidden_size, rank, world, device) -> dict:
+    rows = tokens = 0
+    for ids, _ in epoch_samples(cfg.data, tokenizer, dp_rank=rank, dp_world=world, seed=cfg.training.seed,
+                                reserved_ids=frozenset(reserved)):
+        rows += 1
+        tokens += len(ids)
+    if world > 1:
+        t = torch.tensor([rows, tokens], device=device)
+        dist.all_reduce(t)
+        rows, tokens = t.tolist()
+    per_token = bytes_per_token(len(layer_ids) + int(need_last), hidden_size, storage)
+    est = {"rows": rows, "tokens": tokens, "bytes_per_token": per_token, "bytes": per_token * tokens}
+    logger.info(f"prepare --estimate: {rows} usable rows, {tokens} tokens x {per_token:.0f} bytes/token "
+                f"({len(layer_ids)} capture layers{' + last hidden' if need_last else ''} x {hidden_size}, {storage}) "
+                f"= {est['bytes'] / 2**30:.2f} GiB")
+    return est
+
+
+def prepare(argv: list[str]) -> dict:
+    """Run the capture; returns the manifest (rank 0) or this rank's summary."""
+    a, job_argv = parse_args(argv)
+    cfg = ConfigManager().parse_args(job_argv)
+    validate_job_config(cfg, logger)
+    check_target_config(cfg)
+    if cfg.data.feature_cache:
+        raise ValueError("data.feature_cache: prepare_features captures from the target; leave it empty here")
+    info = init_distributed(cfg)
+    device, rank, world = info.device, info.rank, info.world_size
+    mesh = ParallelDims(dp_shard=-1, world_size=world).build_mesh(device.type)
+    target_dtype = cfg.target.dtype if device.type == "cuda" else "float32"  # as training runs it
+    spec = get_model_spec(cfg.model.name)
+    target = build_target(cfg, device, to_dtype(target_dtype), mesh=mesh)
+    tokenizer = build_target_tokenizer(cfg, target.args.vocab_size)
+    model_args = resolve_model_args(spec, cfg, target.args, tokenizer)
+    layer_ids = sorted(set(spec.capture_layers_fn(model_args)))
+    need_last = spec.needs_last_hidden or a.last_hidden
+    reserved = list(spec.reserved_tokens_fn(model_args)) if spec.reserved_tokens_fn is not None else []
+    template = resolve_template(cfg.data.chat_template, tokenizer)
+    facts = job_facts(cfg, target.args, tokenizer, template,
+                      resolve_system_prompt(cfg.data.system_prompt, tokenizer, template),
+                      layer_ids, need_last, reserved)
+    if a.estimate:
+        return _estimate(cfg, tokenizer, reserved, layer_ids, need_last, a.storage, target.args.hidden_size, rank,
+                         world, device)
+    meta = {"format": FORMAT, "complete": False, "storage": a.storage, "prepare_world": world,
+            "target_dtype": target_dtype, "draft": cfg.model.name, "facts": facts}
+    os.makedirs(a.out, exist_ok=True)
+    if rank == 0:
+        _check_resume(a.out, meta, world)
+        write_json_atomic(os.path.join(a.out, MANIFEST), meta)
+    if world > 1:
+        dist.barrier()
+
+    done = resume_rank(a.out, rank)
+    skip = sum(e["rows"] for e in done)
+    writer = ShardWriter(a.out, rank, storage=a.storage, shard_bytes=int(a.shard_mb * 2**20), first_shard=len(done))
+    logger.info(f"prepare: rank {rank}/{world}, capture layers {layer_ids}, last_hidden {need_last}, storage "
+                f"{a.storage}, {len(done)} shards ({skip} rows) already done")
+    samples = epoch_samples(cfg.data, tokenizer, dp_rank=rank, dp_world=world, seed=cfg.training.seed,
+                            reserved_ids=frozenset(reserved))
+    for _ in range(skip):
+        next(samples, None)
+    bsz, t = cfg.training.local_batch_size, cfg.training
+    pad_multiple = 16 if cfg.float8.enable else 1
+    k, tokens, fwd_s, start = skip, 0, 0.0, time.perf_counter()
+    while True:
+        batch = [s for _, s in zip(range(bsz), samples)]
+        if not _any_rank(bool(batch), world, device):  # FSDP: every rank runs every forward
+            break
+        rows = batch or [([tokenizer.pad_id], [False])]  # a rank out of rows computes a throwaway batch
+        b = collate_chat(rows, pad_id=tokenizer.pad_id, max_length=cfg.data.max_length,
+                         static_shapes=t.static_shapes, pad_multiple=pad_multiple)
+        t0 = time.perf_counter()
+        aux, last = target.model.capture(b["input_ids"].to(device), layer_ids, need_last)
+        aux, last = aux.cpu(), None if last is None else last.cpu()
+        fwd_s += time.perf_counter() - t0
+        per_layer = aux.unflatten(-1, (len(layer_ids), -1))
+        for i, (ids, mask) in enumerate(batch):
+            n = len(ids)
+            hidden = {lid: per_layer[i, :n, j].clone() for j, lid in enumerate(layer_ids)}
+            writer.add(ids, mask, k * world + rank, hidden, None if last is None else last[i, :n].clone())
+            k += 1
+            tokens += n
+    written = writer.close()
+    elapsed = time.perf_counter() - start
+    logger.info(f"prepare: rank {rank} wrote {len(written)} shards, {k - skip} rows, {tokens} tokens in "
+                f"{elapsed:.1f}s (target forward {fwd_s:.1f}s, {tokens / max(fwd_s, 1e-9):.0f} tokens/s)")
+    if world > 1:
+        dist.barrier()
+    result = {"rank": rank, "rows": k - skip, "tokens": tokens, "seconds": elapsed, "forward_seconds": fwd_s}
+    if rank == 0:
+        shards = [e for r in range(world) for e in read_rank_index(a.out, r)]
+        meta.update(complete=True, rows=sum(s["rows"] for s in shards), tokens=sum(s["tokens"] for s in shards),
+                    bytes=sum(s["bytes"] for s in shards), rank0_timing=result, shards=shards)
+        write_json_atomic(os.path.join(a.out, MANIFEST), meta)
+        logger.info(f"prepare: {a.out} complete: {meta['rows']} rows, {meta['tokens']} tokens, "
+                    f"{meta['bytes'] / 2**30:.2f} GiB in {len(shards)} shards")
+        result = meta
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    init_logger()
+    try:
+        prepare(sys.argv[1:] if argv is None else argv)
+    except ValueError as e:
+        print(f"prepare_features: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

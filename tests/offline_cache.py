@@ -1,0 +1,92 @@
+"""Test helpers for offline mode: a job's argv, a feature cache prepared from it in-process, and
+the same rows through the online target and through the cache."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from scripts.prepare_features import prepare
+from titan_draft.components.offline_source import build_offline_dataloader, features_from_batch, load_feature_cache
+from titan_draft.components.target import build_target, build_target_tokenizer, compute_features
+from titan_draft.config import ConfigManager
+from titan_draft.data.pipeline import build_dataloader
+from titan_draft.distributed.utils import destroy_distributed
+from titan_draft.protocols import get_model_spec
+from titan_draft.train import resolve_model_args
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Draft -> its debug job. A draft registered without an entry here uses train_configs/<name>_debug.toml.
+DEBUG_CONFIGS = {"dflash2": "debug_random.toml", "eagle3": "eagle3_debug.toml"}
+
+
+def registered_drafts() -> list[str]:
+    """Every draft a package under models/ registers (not the throwaway ones tests define)."""
+    from titan_draft.protocols import model_spec
+    from titan_draft.protocols.discovery import import_model_packages
+
+    import_model_packages()
+    return sorted(n for n, s in model_spec._REGISTRY.items() if s.model_cls.__module__.startswith("models."))
+
+
+def debug_config(draft: str) -> str:
+    path = os.path.join(REPO, "train_configs", DEBUG_CONFIGS.get(draft, f"{draft}_debug.toml"))
+    assert os.path.isfile(path), f"no debug job for draft {draft!r}: add it to tests/offline_cache.DEBUG_CONFIGS"
+    return path
+
+
+def job_argv(draft: str, dump, target: str, data: str, *extra: str) -> list[str]:
+    """A small, fast, unshuffled job of ``draft``'s debug config (no checkpoints, no export)."""
+    return ["--job.config_file", debug_config(draft), "--job.dump_folder", str(dump), "--target.path", target,
+            "--data.source", data, "--data.max_length", "48", "--data.max_rows", "20", "--data.shuffle", "false",
+            "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+            "--profiling.enable_profiling", "false", "--checkpoint.enable", "false", "--checkpoint.export", "false",
+            "--eval.enable", "false", *extra]
+
+
+def prepare_cache(out, argv: list[str], *options: str) -> dict:
+    """scripts/prepare_features.py in this process (one rank); its manifest."""
+    try:
+        return prepare(["--out", str(out), *options, *argv])
+    finally:
+        destroy_distributed()
+
+
+class Paths:
+    """One job's online batches/features and offline batches/features, side by side."""
+
+    def __init__(self, argv: list[str]):
+        cfg = self.cfg = ConfigManager().parse_args(argv)
+        self.spec = get_model_spec(cfg.model.name)
+        self.target = build_target(cfg, torch.device("cpu"), torch.float32)
+        self.tokenizer = build_target_tokenizer(cfg, self.target.args.vocab_size)
+        args = resolve_model_args(self.spec, cfg, self.target.args, self.tokenizer)
+        self.layer_ids = list(self.spec.capture_layers_fn(args))
+        fn = self.spec.reserved_tokens_fn
+        self.reserved = list(fn(args)) if fn is not None else []
+
+    def online(self):
+        t = self.cfg.training
+        loader = build_dataloader(self.cfg.data, self.tokenizer, dp_rank=0, dp_world=1,
+                                  local_batch_size=t.local_batch_size, seed=t.seed, static_shapes=t.static_shapes,
+                                  reserved_ids=frozenset(self.reserved))
+        for batch in loader:
+            yield batch, compute_features(self.target.model, batch, self.layer_ids, self.spec.needs_last_hidden)
+
+    def offline(self, cache: str, *, dp_rank: int = 0, dp_world: int = 1, shuffle: bool | None = None):
+        cfg = self.cfg
+        cfg.data.feature_cache = cache
+        if shuffle is not None:
+            cfg.data.shuffle = shuffle
+        manifest = load_feature_cache(cfg, self.target, self.tokenizer, layer_ids=self.layer_ids,
+                                      need_last_hidden=self.spec.needs_last_hidden, reserved_ids=self.reserved,
+                                      dp_rank=dp_rank, dp_world=dp_world)
+        return build_offline_dataloader(cfg, manifest, self.tokenizer, layer_ids=self.layer_ids,
+                                        need_last_hidden=self.spec.needs_last_hidden, dp_rank=dp_rank,
+                                        dp_world=dp_world, pad_multiple=1)
+
+    @staticmethod
+    def features(batch):
+        return features_from_batch(batch, torch.float32)

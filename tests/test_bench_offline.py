@@ -1,0 +1,36 @@
+"""scripts/bench_offline.py's cache is one the offline trainer accepts (the same job facts), and its
+size and bandwidth report add up."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from scripts.bench_offline import job_overrides, parse_args, report, run_write
+from titan_draft.components.offline_source import build_offline_target, load_feature_cache
+from titan_draft.components.target import build_target_tokenizer
+from titan_draft.config import ConfigManager
+from titan_draft.protocols import get_model_spec
+from titan_draft.train import resolve_model_args
+
+
+def test_bench_cache_passes_the_trainers_checks(tmp_path):
+    a = parse_args(["--out", str(tmp_path), "--tiny", "--warmup", "1", "--steps", "2"])
+    w = run_write(a)
+    assert w["rows"] == a.batch * 3 and w["disk_read"]["bytes"] == w["cache_bytes"]
+    # 2 capture layers x 64 x bf16 + id and mask; the headers add a little
+    assert 261 <= w["bytes_per_token"] < 261 * 1.1
+    cfg = ConfigManager().parse_args(job_overrides(a, "offline"))
+    spec = get_model_spec(cfg.model.name)
+    target = build_offline_target(cfg, torch.device("cpu"), torch.float32)
+    tok = build_target_tokenizer(cfg, target.args.vocab_size)
+    args = resolve_model_args(spec, cfg, target.args, tok)
+    manifest = load_feature_cache(cfg, target, tok, layer_ids=spec.capture_layers_fn(args),
+                                  need_last_hidden=spec.needs_last_hidden, reserved_ids=spec.reserved_tokens_fn(args),
+                                  dp_rank=0, dp_world=1)
+    assert manifest["rows"] == w["rows"]
+    with open(os.path.join(a.out, "write.json"), "w") as f:
+        json.dump(w, f)
+    assert "disk read bandwidth" in report(a)

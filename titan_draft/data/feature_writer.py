@@ -1,0 +1,111 @@
+"""Writing one prepare rank's feature shards: rows are buffered until a shard is full, then the
+shard is written by a background thread while the target computes the next batches.
+
+Resume record: ``index.rank<r>.jsonl`` gains one line per shard, appended only after the shard
+file is whole on disk, so every line names a complete shard; a shard written but not yet listed
+(a kill between the two) is written again on resume.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import queue
+import threading
+from typing import Any
+
+import torch
+
+from titan_draft.data.feature_manifest import rank_index_path, read_rank_index
+from titan_draft.data.feature_shards import write_shard
+
+__all__ = ["ShardWriter", "resume_rank"]
+
+
+def shard_name(rank: int, k: int) -> str:
+    return f"shard-r{rank:03d}-{k:05d}.safetensors"
+
+
+def resume_rank(folder: str, rank: int) -> list[dict[str, Any]]:
+    """The shards this rank finished before, after checking they are still whole; files the index
+    does not list (a shard cut short by a kill, or written but not yet listed) are removed."""
+    entries = read_rank_index(folder, rank)
+    for e in entries:
+        path = os.path.join(folder, e["file"])
+        if not os.path.isfile(path) or os.path.getsize(path) != e["bytes"]:
+            raise ValueError(f"{rank_index_path(folder, rank)} lists {path}, which is missing or not "
+                             f"{e['bytes']} bytes: the cache was changed since; delete the folder and prepare again")
+    listed = {e["file"] for e in entries}
+    for path in glob.glob(os.path.join(folder, f"shard-r{rank:03d}-*.safetensors*")):
+        if os.path.basename(path) not in listed:
+            os.remove(path)
+    # rewrite the index without a cut-off last line
+    with open(rank_index_path(folder, rank), "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in entries)
+    return entries
+
+
+class ShardWriter:
+    """Buffers rows and writes a shard once it holds ``shard_bytes`` of features.
+
+    ``add`` takes one row's ids, mask, cache-wide id, ``{layer_id: [L, H]}`` and the optional last
+    hidden ``[L, H]`` (CPU tensors). ``close`` writes the last partial shard and waits for the
+    thread; a write error is raised by the next ``add`` or by ``close``."""
+
+    def __init__(self, folder: str, rank: int, *, storage: str, shard_bytes: int, first_shard: int):
+        self.folder, self.rank, self.storage, self.shard_bytes = folder, rank, storage, shard_bytes
+        self._k = first_shard
+        self._rows: list[tuple] = []
+        self._bytes = 0
+        self._itemsize = {"bfloat16": 2, "float32": 4, "float8_e4m3": 1}[storage]
+        self._queue: queue.Queue = queue.Queue(maxsize=2)  # at most two full shards in memory
+        self._error: BaseException | None = None
+        self.written: list[dict[str, Any]] = []
+        self._thread = threading.Thread(target=self._run, name=f"feature-writer-{rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue
+            try:
+                name, rows = item
+                entry = write_shard(
+                    os.path.join(self.folder, name),
+                    input_ids=[r[0] for r in rows], loss_mask=[r[1] for r in rows], row_ids=[r[2] for r in rows],
+                    hidden={i: [r[3][i] for r in rows] for i in rows[0][3]},
+                    last_hidden=None if rows[0][4] is None else [r[4] for r in rows], storage=self.storage)
+                entry["rank"] = self.rank
+                with open(rank_index_path(self.folder, self.rank), "a") as f:
+                    f.write(json.dumps(entry) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                self.written.append(entry)
+            except BaseException as e:  # handed to the main thread
+                self._error = e
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"feature shard writer (rank {self.rank}) failed: {self._error}") from self._error
+
+    def add(self, ids: list[int], mask: list[bool], row_id: int, hidden: dict[int, torch.Tensor],
+            last_hidden: torch.Tensor | None) -> None:
+        self._check()
+        self._rows.append((ids, mask, row_id, hidden, last_hidden))
+        self._bytes += sum(t.numel() for t in hidden.values()) * self._itemsize
+        if self._bytes >= self.shard_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._rows:
+            self._queue.put((shard_name(self.rank, self._k), self._rows))
+            self._k += 1
+            self._rows, self._bytes = [], 0
+
+    def close(self) -> list[dict[str, Any]]:
+        self._flush()
+        self._queue.put(None)
+        self._thread.join()
+        self._check()
+        return self.written
