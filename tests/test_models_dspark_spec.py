@@ -128,3 +128,16 @@ def test_flops_count_every_trainable_linear(kind):
     h, v = args.hidden_size, args.vocab_size
     attn = 3 * 4 * rows * (seq / 2 + args.block_size) * args.num_attention_heads * args.head_dim * args.num_layers
     assert dspark_flops(args, bsz, seq) == pytest.approx(bsz * (linear + 6 * rows * h * v + attn))
+
+
+@pytest.mark.parametrize("name", ["dspark_debug", "dspark_qwen3_8b", "dspark_smollm2"])
+def test_configs_load(name):
+    """Every DSpark job file parses (unknown keys are errors) and names a DSpark flavor."""
+    import os
+
+    from titan_draft.config import ConfigManager
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs", f"{name}.toml")
+    cfg = ConfigManager().parse_args(["--job.config_file", path])
+    assert cfg.model.name == "dspark" and cfg.model.flavor in dspark_flavors
+    assert cfg.training.static_shapes

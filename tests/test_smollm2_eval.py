@@ -136,3 +136,28 @@ def test_random_eagle3_draft_is_lossless(smollm2):
     report = evaluate(target, Eagle3Proposer(draft.eval()), prompts, max_new_tokens=NEW,
                       stop_ids=stop_token_ids(tok, "chatml"), device=CPU)
     assert report.lossless == 3 and report.num_draft_tokens == 3
+
+
+@pytest.mark.parametrize("kind,threshold", [("rnn", 0.0), ("gated", 0.3)])
+def test_random_dspark_draft_is_lossless(smollm2, kind, threshold):
+    """DSpark's proposal (block forward, then the Markov head left to right; with a threshold,
+    cut where the confidence product falls below it) on the real model: random weights are
+    mostly rejected, and every round must still leave the output equal to plain greedy."""
+    from models.dspark import DSparkDraft, DSparkProposer, dspark_flavors
+
+    target, tok, prompts = smollm2
+    args = replace(dspark_flavors["smollm2"], num_layers=1, vocab_size=49152, target_layer_ids=[15],
+                   num_target_layers=30, mask_token_id=16, block_size=4, markov_head_type=kind, markov_rank=32)
+    torch.manual_seed(0)
+    draft = DSparkDraft(args)
+    draft.init_weights()
+    with torch.no_grad():  # a Markov bias that matters (it starts at zero)
+        draft.markov_head.markov_w2.weight.normal_(std=0.5)
+        draft.confidence_head.proj.bias.fill_(1.0)
+    draft.load_frozen_tables(target.embed_weight(), target.lm_head_weight())
+    proposer = DSparkProposer(draft.eval(), confidence_threshold=threshold)
+    report = evaluate(target, proposer, prompts, max_new_tokens=NEW, stop_ids=stop_token_ids(tok, "chatml"),
+                      device=CPU)
+    assert report.lossless == 3 and report.num_draft_tokens == 4
+    per_round = report.summary()["proposed_per_round"]
+    assert per_round == 4.0 if threshold == 0 else 0 < per_round < 4.0, per_round
