@@ -15,7 +15,17 @@ SCHEMA = "titan_draft.benchmark/1"
 
 # SpecForge main (a6b6b023) on our H200, 2026-11-29 (issue 4): plain DFlash, batch 2 x 2048,
 # variable masks, optimizer every step, torch 2.11. Its peak is in GB as reported there.
-ANCHOR = {"step_ms": 395.0, "samples_per_s": 5.06, "peak_gb": 37.7, "tflop_per_step": 139.5}
+ANCHOR = {"step_ms": 395.0, "samples_per_s": 5.06, "peak_gb": 37.7, "tflop_per_step": 139.5,
+          "note": "H200, torch 2.11, 2026-11-29"}
+# The same SpecForge on the same H200, its DSpark step at the Qwen3-8B shape (issue 12: 5 layers,
+# blocks of 7, 512 anchors, batch 2 x 2048).
+DSPARK_ANCHOR = {"step_ms": 311.0, "samples_per_s": 6.43, "peak_gb": 32.0, "tflop_per_step": 73.0,
+                 "note": "H200, as quoted in issue 12"}
+
+
+def anchor_of(draft: str) -> tuple[str, dict]:
+    """The SpecForge figure a draft's rows are compared with: its own algorithm's."""
+    return ("dspark", DSPARK_ANCHOR) if draft.startswith("dspark") else ("dflash", ANCHOR)
 H200_PEAK_TFLOPS = 989.0  # dense bf16 spec (titan_draft.components.metrics.get_peak_flops)
 
 # table order: the variants as each adds to the one before, the anchor's data mode first
@@ -86,7 +96,7 @@ def _row(r: dict, eager: dict | None) -> list[str]:
         return head + ["–"] * (len(_COLUMNS) - len(head) - 1) + [r["status"]]
     speedup = r["samples_per_s"] / eager["samples_per_s"] if eager else None  # 1.00 on the eager row
     # the anchor is a one-GPU figure at the production shape: compare per GPU, never for --tiny
-    vs_anchor = None if c["tiny"] else r["samples_per_s_per_gpu"] / ANCHOR["samples_per_s"]
+    vs_anchor = None if c["tiny"] else r["samples_per_s_per_gpu"] / anchor_of(c["draft"])[1]["samples_per_s"]
     notes = ["ok"] + (["profiled"] if r.get("profiled") else [])
     if r.get("world_size", 1) > 1:
         notes.append(f"{r['world_size']} ranks")
@@ -112,17 +122,18 @@ def _error_line(log_tail: str) -> str:
 def render_report(results: list[dict]) -> str:
     lines = ["# titan_draft benchmark", "",
              "Median step over the steady window (after warm-up, device synchronized around each step); "
-             "× anchor = samples/s per GPU over SpecForge's 5.06; × eager = over the eager row of the "
+             "× anchor = samples/s per GPU over SpecForge's for the same algorithm (DFlash 5.06, DSpark 6.43); × eager = over the eager row of the "
              "same draft, data, accumulation, target and extra overrides (shown after the variant). "
              "Columns: docs/performance.md.", "",
              "| " + " | ".join(_COLUMNS) + " |", "|" + " --- |" * len(_COLUMNS)]
-    a = ANCHOR
-    anchor_row = ["SpecForge dflash (anchor)", "varmask", "1", "synthetic", "FSDP1 eager", f"{a['step_ms']:.0f}",
-                  f"{a['samples_per_s']:.2f}", "1.00", "–", f"{a['samples_per_s'] * 2048:,.0f}",
-                  f"{a['tflop_per_step']:.1f}", f"{a['tflop_per_step'] / a['step_ms'] * 1e3:.0f}",
-                  f"{100 * a['tflop_per_step'] / a['step_ms'] * 1e3 / H200_PEAK_TFLOPS:.1f}", f"{a['peak_gb']} (GB)", "–",
-                  "–", "–", "–", "H200, torch 2.11, 2026-11-29"]
-    lines.append("| " + " | ".join(anchor_row) + " |")
+    shown = ["dflash"] + (["dspark"] if any(anchor_of(r["case"]["draft"])[0] == "dspark" for r in results) else [])
+    for name, a in ((n, ANCHOR if n == "dflash" else DSPARK_ANCHOR) for n in shown):
+        anchor_row = [f"SpecForge {name} (anchor)", "varmask", "1", "synthetic", "FSDP1 eager", f"{a['step_ms']:.0f}",
+                      f"{a['samples_per_s']:.2f}", "1.00", "–", f"{a['samples_per_s'] * 2048:,.0f}",
+                      f"{a['tflop_per_step']:.1f}", f"{a['tflop_per_step'] / a['step_ms'] * 1e3:.0f}",
+                      f"{100 * a['tflop_per_step'] / a['step_ms'] * 1e3 / H200_PEAK_TFLOPS:.1f}",
+                      f"{a['peak_gb']} (GB)", "–", "–", "–", "–", a["note"]]
+        lines.append("| " + " | ".join(anchor_row) + " |")
     eager = {}
     for r in results:
         if r["case"]["variant"] == "eager" and r["status"] == "ok":
