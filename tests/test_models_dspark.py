@@ -319,3 +319,30 @@ def test_bad_args_name_the_field():
         f = _features()
         f.last_hidden = None
         d(f)
+
+
+def test_distill_with_a_wide_logit_range_stays_exact_in_fp32():
+    """Logits 200 apart (fp32 probabilities there would be subnormal, which the chunk floors):
+    loss and gradients still equal the fp64 autograd values to fp32 precision."""
+    g = torch.Generator().manual_seed(7)
+    n = 6
+    hidden = torch.randn(n, H, generator=g) * 12
+    feats = torch.randn(n, R, generator=g)
+    w2 = torch.randn(V, R, generator=g)
+    lm = torch.randn(V, H, generator=g)
+    teacher = torch.randn(n, H, generator=g) * 8
+    labels = torch.randint(0, V, (n,), generator=g)
+    weight = torch.rand(n, generator=g)
+    assert ((hidden @ lm.T).amax(-1) - (hidden @ lm.T).amin(-1)).min() > 200
+    ins = [t.clone().requires_grad_() for t in (hidden, feats, w2)]
+    out = markov_distill(*ins, lm, teacher, labels, weight, ce_weight=0.1, l1_weight=0.9, chunk_rows=4)
+    out.loss_sum.backward()
+    ref = [t.double().requires_grad_() for t in (hidden, feats, w2)]
+    z = ref[0] @ lm.double().T + ref[1] @ ref[2].T
+    p, pt = torch.softmax(z, -1), torch.softmax(teacher.double() @ lm.double().T, -1)
+    ce = torch.nn.functional.cross_entropy(z, labels, reduction="none")
+    want = (weight.double() * (0.1 * ce + 0.9 * (p - pt).abs().sum(-1))).sum()
+    want.backward()
+    assert out.loss_sum.item() == pytest.approx(want.item(), rel=1e-5)
+    for got, r in zip(ins, ref):
+        assert torch.allclose(got.grad.double(), r.grad, rtol=1e-4, atol=1e-5 * r.grad.abs().max().item())

@@ -32,11 +32,25 @@ class DistillOutput:
     """[N] int64 argmax of the draft logits."""
 
 
+# Logits more than this below a row's max are raised to it before exp: past it fp32 probabilities
+# turn subnormal, and subnormal operands make CPU exp and matmuls 10-60x slower (measured on a
+# DSpark step: the [c, V] x [V, H] gradient matmul 19.4 s -> 0.3 s). Each raised entry moves its
+# row's sums by < 1e-26.
+_LOGIT_FLOOR = -60.0
+
+
+def _softmax_lse(z):
+    """``(softmax(z), logsumexp(z))`` of ``[c, V]`` rows from one exp, with the floor above."""
+    m = z.amax(dim=-1, keepdim=True)
+    e = torch.exp((z - m).clamp(min=_LOGIT_FLOOR))
+    total = e.sum(dim=-1, keepdim=True)
+    return e / total, m + torch.log(total)
+
+
 def _chunk_stats(z, zt, labels, weight, ce_weight: float, l1_weight: float, need_grad: bool):
     """CE, L1, argmax and (``need_grad``) ``d loss / d z`` of one ``[c, V]`` chunk (fp32+)."""
-    lse = torch.logsumexp(z, dim=-1, keepdim=True)
-    p = torch.exp(z - lse)
-    pt = torch.softmax(zt, dim=-1)
+    p, lse = _softmax_lse(z)
+    pt, _ = _softmax_lse(zt)
     ce = lse.squeeze(-1) - z.gather(1, labels[:, None]).squeeze(1)
     diff = p - pt
     l1 = diff.abs().sum(dim=-1)
