@@ -122,8 +122,9 @@ def _error_line(log_tail: str) -> str:
 def render_report(results: list[dict]) -> str:
     lines = ["# titan_draft benchmark", "",
              "Median step over the steady window (after warm-up, device synchronized around each step); "
-             "× anchor = samples/s per GPU over SpecForge's for the same algorithm (DFlash 5.06, DSpark 6.43); × eager = over the eager row of the "
-             "same draft, data, accumulation, target and extra overrides (shown after the variant). "
+             "× anchor = samples/s per GPU over SpecForge's for the same algorithm (DFlash 5.06, DSpark "
+             "6.43); × eager = over the eager row of the same draft, data, accumulation, target and extra "
+             "overrides (shown after the variant). "
              "Columns: docs/performance.md.", "",
              "| " + " | ".join(_COLUMNS) + " |", "|" + " --- |" * len(_COLUMNS)]
     shown = ["dflash"] + (["dspark"] if any(anchor_of(r["case"]["draft"])[0] == "dspark" for r in results) else [])

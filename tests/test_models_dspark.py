@@ -115,7 +115,8 @@ def reference(d: DSparkDraft, f: TargetFeatures, anchors, keep):
                     cp = d.confidence_head.proj
                     inp = torch.cat([h, e]) if a.confidence_head_with_markov else h
                     conf = _sig(cp.weight[0] @ inp + cp.bias[0])
-                    loss = loss + a.confidence_loss_weight * -(cstar * torch.log(conf) + (1 - cstar) * torch.log(1 - conf))
+                    bce = -(cstar * torch.log(conf) + (1 - cstar) * torch.log(1 - conf))
+                    loss = loss + a.confidence_loss_weight * bce
                 total = total + weight * loss
                 wsum += weight
                 slots[(bi, n, k)] = (logits.detach(), conf)
