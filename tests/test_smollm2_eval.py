@@ -138,11 +138,11 @@ def test_random_eagle3_draft_is_lossless(smollm2):
     assert report.lossless == 3 and report.num_draft_tokens == 3
 
 
-@pytest.mark.parametrize("kind,threshold", [("rnn", 0.0), ("gated", 0.3)])
-def test_random_dspark_draft_is_lossless(smollm2, kind, threshold):
-    """DSpark's proposal (block forward, then the Markov head left to right; with a threshold,
-    cut where the confidence product falls below it) on the real model: random weights are
-    mostly rejected, and every round must still leave the output equal to plain greedy."""
+def test_random_dspark_draft_is_lossless(smollm2, kind="gated", threshold=0.3):
+    """DSpark's proposal (block forward, then the gated Markov head left to right, cut where the
+    confidence product falls below the threshold) on the real model: random weights are mostly
+    rejected, and every round must still leave the output equal to plain greedy. (The rnn head's
+    decoding is checked against training in tests/test_models_dspark.py.)"""
     from models.dspark import DSparkDraft, DSparkProposer, dspark_flavors
 
     target, tok, prompts = smollm2
@@ -156,8 +156,7 @@ def test_random_dspark_draft_is_lossless(smollm2, kind, threshold):
         draft.confidence_head.proj.bias.fill_(1.0)
     draft.load_frozen_tables(target.embed_weight(), target.lm_head_weight())
     proposer = DSparkProposer(draft.eval(), confidence_threshold=threshold)
-    report = evaluate(target, proposer, prompts, max_new_tokens=NEW, stop_ids=stop_token_ids(tok, "chatml"),
+    report = evaluate(target, proposer, prompts[:2], max_new_tokens=NEW, stop_ids=stop_token_ids(tok, "chatml"),
                       device=CPU)
-    assert report.lossless == 3 and report.num_draft_tokens == 4
-    per_round = report.summary()["proposed_per_round"]
-    assert per_round == 4.0 if threshold == 0 else 0 < per_round < 4.0, per_round
+    assert report.lossless == 2 and report.num_draft_tokens == 4
+    assert 0 < report.summary()["proposed_per_round"] < 4.0  # the threshold cut some proposals short
