@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark the real training step of a draft (DFlash, DFlash2, EAGLE-3) at the Qwen3-8B shape.
+"""Benchmark the real training step: DFlash / DFlash2 / EAGLE-3 / DSpark drafts at the Qwen3-8B shape.
 
 Each case (draft x data mode x accumulation x target x variant) builds a real ``Trainer`` from a
 job config (override list) and runs ``Trainer.train()`` for ``--warmup + --steps`` optimizer
@@ -11,9 +11,10 @@ random-weight Qwen3-8B-shaped target. See docs/performance.md.
 
     python scripts/benchmark.py --out outputs/bench                      # the default matrix (24 cases)
     python scripts/benchmark.py --drafts dflash --modes varmask --variants float8 --profile float8
-    python scripts/benchmark.py --drafts eagle3 --modes varmask --variants compile,float8 --targets synthetic
     torchrun --nproc_per_node 4 scripts/benchmark.py --variants float8  # every rank, fresh ranks per case
     python scripts/benchmark.py --tiny --variants eager,static           # debug shapes, CPU is fine
+    python scripts/benchmark.py --drafts eagle3 --modes varmask --variants compile,float8 --targets synthetic
+    python scripts/benchmark.py --drafts dspark --modes varmask --targets synthetic   # issue 12's rows
     python scripts/benchmark.py --report-only --out outputs/bench        # rebuild results.md
 
 Each case writes ``<out>/<case>.json``; ``<out>/results.md`` is rebuilt after every case from all
@@ -43,11 +44,15 @@ if REPO not in sys.path:  # runnable from a checkout without an install
 from scripts.benchmark_report import SCHEMA, write_report  # noqa: E402
 from scripts.benchmark_worker import CASE_FIELDS, write_json  # noqa: E402
 
-DRAFTS = {  # row name -> (ModelSpec name, production flavor, debug flavor)
+DRAFTS = {  # name -> (ModelSpec, production flavor, debug flavor)
     "dflash": ("dflash2", "dflash_qwen3_8b", "dflash_debugmodel"),
     "dflash2": ("dflash2", "qwen3_8b", "debugmodel"),
+    # issue 11's shape: TTT 7, 32000-token draft vocabulary (at the default batch 2 x 2048)
     "eagle3": ("eagle3", "qwen3_8b", "debugmodel"),
+    # issue 12's shape: 5 layers, blocks of 7, 512 anchors (at the default batch 2 x 2048)
+    "dspark": ("dspark", "qwen3_8b", "debugmodel"),
 }
+DEFAULT_DRAFTS = ("dflash", "dflash2")  # the default matrix; EAGLE-3's and DSpark's rows with --drafts
 TARGETS = {  # name -> target.flavor at (production, tiny) shape
     "synthetic": ("synthetic:qwen3_8b", "synthetic:debugmodel"),
     "online": ("qwen3_8b", "debugmodel"),
@@ -241,7 +246,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         argv, extra = argv[:i], argv[i + 1:]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--drafts", type=_csv, default=["dflash", "dflash2"], help=f"comma list of {list(DRAFTS)}")
+    p.add_argument("--drafts", type=_csv, default=list(DEFAULT_DRAFTS),
+                   help=f"comma list of {list(DRAFTS)} (default: {','.join(DEFAULT_DRAFTS)})")
     p.add_argument("--modes", type=_csv, default=["varmask", "fixed"], help=f"comma list of {list(MODES)}")
     p.add_argument("--variants", type=_csv, default=["eager", "static", "compile", "float8"],
                    help=f"comma list of {list(VARIANTS)}, each adding to the one before")

@@ -13,16 +13,25 @@ import os
 SCHEMA = "titan_draft.benchmark/1"
 """Marks a case JSON (other JSON files under the output folder are ignored)."""
 
-# SpecForge main (a6b6b023) on our H200, torch 2.11, its own step for each draft at the Qwen3-8B
-# shape, batch 2 x 2048, variable masks, optimizer every step; peaks in GB as reported there.
-# DFlash (2026-11-29) also anchors DFlash2; EAGLE-3 (FSDP1, TTT 7, 32k vocabulary) and DSpark
-# (5 layers, block 7, 512 anchors) as the issues that asked for them state.
-ANCHORS = {
-    "dflash": {"step_ms": 395.0, "samples_per_s": 5.06, "peak_gb": 37.7, "tflop_per_step": 139.5},
-    "eagle3": {"step_ms": 203.0, "samples_per_s": 9.85, "peak_gb": 22.1, "tflop_per_step": 67.7},
-    "dspark": {"step_ms": 311.0, "samples_per_s": 6.43, "peak_gb": 32.0, "tflop_per_step": 73.0},
-}
-ANCHOR_OF = {"dflash": "dflash", "dflash2": "dflash", "eagle3": "eagle3", "dspark": "dspark"}
+# SpecForge main (a6b6b023) on our H200, 2026-11-29 (issue 4): plain DFlash, batch 2 x 2048,
+# variable masks, optimizer every step, torch 2.11. Its peak is in GB as reported there.
+ANCHOR = {"step_ms": 395.0, "samples_per_s": 5.06, "peak_gb": 37.7, "tflop_per_step": 139.5,
+          "note": "H200, torch 2.11, 2026-11-29"}
+# The same SpecForge on the same H200, its DSpark step at the Qwen3-8B shape (issue 12: 5 layers,
+# blocks of 7, 512 anchors, batch 2 x 2048).
+DSPARK_ANCHOR = {"step_ms": 311.0, "samples_per_s": 6.43, "peak_gb": 32.0, "tflop_per_step": 73.0,
+                 "note": "H200, as quoted in issue 12"}
+# Its EAGLE-3 step (FSDP1, fp32-master AdamW, flex; TTT 7, 32k draft vocabulary, batch 2 x 2048).
+EAGLE3_ANCHOR = {"step_ms": 203.0, "samples_per_s": 9.85, "peak_gb": 22.1, "tflop_per_step": 67.7,
+                 "note": "H200, as quoted in issue 11"}
+ANCHORS = {"dflash": ANCHOR, "eagle3": EAGLE3_ANCHOR, "dspark": DSPARK_ANCHOR}
+
+
+def anchor_of(draft: str) -> tuple[str, dict]:
+    """The SpecForge figure a draft's rows are compared with: its own algorithm's (DFlash2 rows
+    with DFlash's)."""
+    name = next((n for n in ("eagle3", "dspark") if draft.startswith(n)), "dflash")
+    return name, ANCHORS[name]
 H200_PEAK_TFLOPS = 989.0  # dense bf16 spec (titan_draft.components.metrics.get_peak_flops)
 
 # table order: the variants as each adds to the one before, the anchor's data mode first
@@ -93,8 +102,7 @@ def _row(r: dict, eager: dict | None) -> list[str]:
         return head + ["–"] * (len(_COLUMNS) - len(head) - 1) + [r["status"]]
     speedup = r["samples_per_s"] / eager["samples_per_s"] if eager else None  # 1.00 on the eager row
     # the anchor is a one-GPU figure at the production shape: compare per GPU, never for --tiny
-    anchor = ANCHORS.get(ANCHOR_OF.get(c["draft"], ""))
-    vs_anchor = None if c["tiny"] or anchor is None else r["samples_per_s_per_gpu"] / anchor["samples_per_s"]
+    vs_anchor = None if c["tiny"] else r["samples_per_s_per_gpu"] / anchor_of(c["draft"])[1]["samples_per_s"]
     notes = ["ok"] + (["profiled"] if r.get("profiled") else [])
     if r.get("world_size", 1) > 1:
         notes.append(f"{r['world_size']} ranks")
@@ -106,15 +114,6 @@ def _row(r: dict, eager: dict | None) -> list[str]:
         f"{r['data_wait_ms_mean']:.1f} ({r['data_wait_pct']:.1f}%)", _fmt(r["compile_warmup_s"]),
         str(r["recompiles_after_warmup"]), ", ".join(notes),
     ]
-
-
-def _anchor_row(name: str) -> list[str]:
-    a = ANCHORS[name]
-    tflops = a["tflop_per_step"] / a["step_ms"] * 1e3
-    return [f"SpecForge {name} (anchor)", "varmask", "1", "synthetic", "FSDP1 eager", f"{a['step_ms']:.0f}",
-            f"{a['samples_per_s']:.2f}", "1.00", "–", f"{a['samples_per_s'] * 2048:,.0f}",
-            f"{a['tflop_per_step']:.1f}", f"{tflops:.0f}", f"{100 * tflops / H200_PEAK_TFLOPS:.1f}",
-            f"{a['peak_gb']} (GB)", "–", "–", "–", "–", "H200, torch 2.11"]
 
 
 def _error_line(log_tail: str) -> str:
@@ -129,13 +128,20 @@ def _error_line(log_tail: str) -> str:
 def render_report(results: list[dict]) -> str:
     lines = ["# titan_draft benchmark", "",
              "Median step over the steady window (after warm-up, device synchronized around each step); "
-             "× anchor = samples/s per GPU over SpecForge's own step for that draft (its row); × eager = over the eager row of the "
-             "same draft, data, accumulation, target and extra overrides (shown after the variant). "
+             "× anchor = samples/s per GPU over SpecForge's for the same algorithm (DFlash 5.06, EAGLE-3 "
+             "9.85, DSpark 6.43); × eager = over the eager row of the same draft, data, accumulation, target and extra "
+             "overrides (shown after the variant). "
              "Columns: docs/performance.md.", "",
              "| " + " | ".join(_COLUMNS) + " |", "|" + " --- |" * len(_COLUMNS)]
-    drafts = {ANCHOR_OF.get(r["case"]["draft"]) for r in results}  # the anchors of the drafts shown
-    for name in [n for n in ANCHORS if n in drafts]:
-        lines.append("| " + " | ".join(_anchor_row(name)) + " |")
+    used = {anchor_of(r["case"]["draft"])[0] for r in results}
+    shown = ["dflash"] + [n for n in ("eagle3", "dspark") if n in used]
+    for name, a in ((n, ANCHORS[n]) for n in shown):
+        anchor_row = [f"SpecForge {name} (anchor)", "varmask", "1", "synthetic", "FSDP1 eager", f"{a['step_ms']:.0f}",
+                      f"{a['samples_per_s']:.2f}", "1.00", "–", f"{a['samples_per_s'] * 2048:,.0f}",
+                      f"{a['tflop_per_step']:.1f}", f"{a['tflop_per_step'] / a['step_ms'] * 1e3:.0f}",
+                      f"{100 * a['tflop_per_step'] / a['step_ms'] * 1e3 / H200_PEAK_TFLOPS:.1f}",
+                      f"{a['peak_gb']} (GB)", "–", "–", "–", "–", a["note"]]
+        lines.append("| " + " | ".join(anchor_row) + " |")
     eager = {}
     for r in results:
         if r["case"]["variant"] == "eager" and r["status"] == "ok":

@@ -343,3 +343,49 @@ def test_trace_summary_busy_time_and_categories():
     assert trace_summary.category("triton_tem_fused_flex_attention_backward") == "attention"
     assert trace_summary.category("nvjet_sm90_tst_320x128") == "matmul"
     assert "cudaStreamSynchronize x1" in text
+
+
+@pytest.mark.parametrize("draft,samples_per_s,speedup,anchor", [
+    ("dspark", 12.86, "2.00", "| SpecForge dspark (anchor) | varmask | 1 | synthetic | FSDP1 eager | 311 | 6.43 |"),
+    ("eagle3", 12.08, "1.23", "| SpecForge eagle3 (anchor) | varmask | 1 | synthetic | FSDP1 eager | 203 | 9.85 |"),
+])
+def test_rows_compare_with_specforge_of_the_same_algorithm(tmp_path, draft, samples_per_s, speedup, anchor):
+    """A DSpark (EAGLE-3) row's × anchor is over SpecForge's DSpark (EAGLE-3) step, not DFlash's,
+    and that anchor's row is shown; the default matrix stays DFlash / DFlash2."""
+    bench = _load_benchmark_module()
+    row = {
+        "schema": bench.SCHEMA, "name": f"{draft}-varmask-acc1-synthetic-compile", "status": "ok",
+        "case": {"draft": draft, "mode": "varmask", "accum": 1, "target": "synthetic", "variant": "compile",
+                 "tiny": False},
+        "date": "2026-12-01T10:00:00+00:00", "command": f"python scripts/benchmark.py --drafts {draft}",
+        "torch": "2.13.0", "device_name": "NVIDIA H200", "world_size": 1, "step_ms_median": 155.5,
+        "samples_per_s": samples_per_s, "samples_per_s_per_gpu": samples_per_s, "tokens_per_s": 26337.0,
+        "model_tflop_per_step": 74.8, "achieved_tflops": 481.0, "mfu_pct": 48.6, "peak_allocated_gib": 30.0,
+        "peak_reserved_gib": 31.0, "data_wait_ms_mean": 0.5, "data_wait_pct": 0.3, "compile_warmup_s": 30.0,
+        "recompiles_after_warmup": 0,
+    }
+    (tmp_path / "a.json").write_text(json.dumps(row))
+    table = open(bench.write_report(str(tmp_path))).read()
+    (line,) = [x for x in table.splitlines() if x.startswith(f"| {draft} |")]
+    assert line.split(" | ")[7] == speedup  # over that algorithm's SpecForge samples/s
+    assert anchor in table and "SpecForge dflash (anchor)" in table
+    assert {c.draft for c in bench.build_cases(bench.parse_args([]))} == {"dflash", "dflash2"}
+    (case,) = bench.build_cases(bench.parse_args(["--drafts", draft, "--modes", "varmask", "--accum", "1",
+                                                  "--targets", "synthetic", "--variants", "float8"]))
+    argv = case.overrides(2, 2048, 13, "/tmp/x")
+    assert argv[argv.index("--model.name") + 1] == draft and argv[argv.index("--model.flavor") + 1] == "qwen3_8b"
+
+
+@pytest.mark.slow
+def test_benchmark_tiny_dspark(tmp_path):
+    """The DSpark row runs through the benchmark's real Trainer at the tiny shape on CPU (the
+    synthetic target gives it final-norm hidden states too)."""
+    cmd = [sys.executable, SCRIPT, "--tiny", "--drafts", "dspark", "--modes", "varmask", "--accum", "1",
+           "--targets", "synthetic", "--variants", "eager,static", "--warmup", "1", "--steps", "2",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for variant in ("eager", "static"):
+        r = json.loads((tmp_path / f"tiny-dspark-varmask-acc1-synthetic-{variant}.json").read_text())
+        assert r["status"] == "ok" and r["model_tflop_per_step"] > 0 and r["step_ms_median"] > 0
+    assert "| dspark (tiny) | varmask | 1 | synthetic | static |" in (tmp_path / "results.md").read_text()

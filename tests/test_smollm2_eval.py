@@ -136,3 +136,27 @@ def test_random_eagle3_draft_is_lossless(smollm2):
     report = evaluate(target, Eagle3Proposer(draft.eval()), prompts, max_new_tokens=NEW,
                       stop_ids=stop_token_ids(tok, "chatml"), device=CPU)
     assert report.lossless == 3 and report.num_draft_tokens == 3
+
+
+def test_random_dspark_draft_is_lossless(smollm2, kind="gated", threshold=0.3):
+    """DSpark's proposal (block forward, then the gated Markov head left to right, cut where the
+    confidence product falls below the threshold) on the real model: random weights are mostly
+    rejected, and every round must still leave the output equal to plain greedy. (The rnn head's
+    decoding is checked against training in tests/test_models_dspark.py.)"""
+    from models.dspark import DSparkDraft, DSparkProposer, dspark_flavors
+
+    target, tok, prompts = smollm2
+    args = replace(dspark_flavors["smollm2"], num_layers=1, vocab_size=49152, target_layer_ids=[15],
+                   num_target_layers=30, mask_token_id=16, block_size=4, markov_head_type=kind, markov_rank=32)
+    torch.manual_seed(0)
+    draft = DSparkDraft(args)
+    draft.init_weights()
+    with torch.no_grad():  # a Markov bias that matters (it starts at zero)
+        draft.markov_head.markov_w2.weight.normal_(std=0.5)
+        draft.confidence_head.proj.bias.fill_(1.0)
+    draft.load_frozen_tables(target.embed_weight(), target.lm_head_weight())
+    proposer = DSparkProposer(draft.eval(), confidence_threshold=threshold)
+    report = evaluate(target, proposer, prompts[:2], max_new_tokens=NEW, stop_ids=stop_token_ids(tok, "chatml"),
+                      device=CPU)
+    assert report.lossless == 2 and report.num_draft_tokens == 4
+    assert 0 < report.summary()["proposed_per_round"] < 4.0  # the threshold cut some proposals short

@@ -181,8 +181,35 @@ def _parse(argv):
     p.add_argument("--data-source", default=None, help="for 'holdout' (default: the training run's)")
     p.add_argument("--holdout-rows", type=int, default=None, help="for 'holdout' (default: the training run's)")
     p.add_argument("--no-lossless-check", action="store_true", help="skip plain greedy decoding")
+    p.add_argument("--proposer-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument of the draft's proposer (its build_proposer_fn), repeatable; VALUE "
+                        "is read as JSON when it parses (e.g. confidence_threshold=0.5 for DSpark)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     return p.parse_args(argv)
+
+
+def parse_proposer_options(items: list[str]) -> dict:
+    """``["key=value", ...]`` -> keyword arguments (values as JSON where they parse, else text)."""
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--proposer-option: {item!r} is not KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def build_proposer(spec, draft, options: dict):
+    """The spec's proposer with ``options``; one line naming the draft and the option it refuses."""
+    if not options:
+        return spec.build_proposer_fn(draft)
+    try:
+        return spec.build_proposer_fn(draft, **options)
+    except TypeError as e:
+        raise ValueError(f"--proposer-option: draft {spec.name!r} does not take {sorted(options)}: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -192,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
                           ("cpu" if a.device == "auto" else a.device))
     dtype = getattr(torch, a.dtype)
     try:
+        options = parse_proposer_options(a.proposer_option)
         spec, args, state, run = load_draft_source(a.draft, a.draft_name)
         target = load_target(a.target, dtype=dtype, device=device)
         tokenizer = build_tokenizer(a.target)
@@ -210,13 +238,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"titan_draft.eval: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     draft = build_eval_draft(spec, args, state, target, device, dtype)
-    report = evaluate(target, spec.build_proposer_fn(draft), prompts, max_new_tokens=a.max_new_tokens,
+    try:
+        proposer = build_proposer(spec, draft, options)
+    except ValueError as e:
+        print(f"titan_draft.eval: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    report = evaluate(target, proposer, prompts, max_new_tokens=a.max_new_tokens,
                       stop_ids=stop_token_ids(tokenizer, template), device=device,
                       check_lossless=not a.no_lossless_check)
     print(report.table())
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"target": a.target, "draft": a.draft, "dtype": a.dtype, **report.to_json()}, f, indent=2)
+            json.dump({"target": a.target, "draft": a.draft, "dtype": a.dtype, "proposer_options": options,
+                       **report.to_json()}, f, indent=2)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

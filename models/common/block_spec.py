@@ -8,7 +8,7 @@ from dataclasses import replace
 from models.common.args import BlockDiffusionArgs
 from titan_draft.data.chat_template import template_special_tokens
 
-__all__ = ["block_capture_layers", "reserved_tokens", "resolved_capture_layers", "update_block_args"]
+__all__ = ["backbone_shapes", "block_capture_layers", "reserved_tokens", "resolved_capture_layers", "update_block_args"]
 
 # Follow the target unless [model.args] sets them: the draft rotates positions as the target
 # does, is served up to the target's context length, and normalizes with the target's epsilon.
@@ -74,3 +74,24 @@ def block_capture_layers(args: BlockDiffusionArgs, num_target_layers: int) -> li
     if bad:
         raise ValueError(f"capture layer ids {bad} out of range for a {L}-layer target")
     return ids
+
+
+def backbone_shapes(args: BlockDiffusionArgs) -> dict[str, tuple[int, ...]]:
+    """Serving key -> shape of the shared backbone's parameters (``fc``, ``hidden_norm``,
+    ``norm``, ``layers.{i}``), the part of the SGLang contract every block-diffusion draft
+    exports; a draft adds its own keys. ``target_layer_ids`` must be resolved."""
+    h, d = args.hidden_size, args.head_dim
+    q, kv, ff = args.num_attention_heads * d, args.num_key_value_heads * d, args.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"fc.weight": (h, args.fc_in_features), "hidden_norm.weight": (h,),
+                                          "norm.weight": (h,)}
+    for i in range(args.num_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
+            p + "mlp.down_proj.weight": (h, ff),
+        })
+    return shapes

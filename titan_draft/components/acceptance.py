@@ -65,6 +65,9 @@ class PromptReport:
     greedy_s: float | None = None
     lossless: bool | None = None
     divergence: dict | None = None
+    proposed: list[int] = field(default_factory=list, repr=False)
+    """Draft tokens proposed in each round (fewer than num_draft_tokens where a proposer stops
+    early, e.g. on its confidence)."""
 
 
 @dataclass
@@ -119,6 +122,7 @@ class EvalReport:
             "num_draft_tokens": self.num_draft_tokens,
             "max_new_tokens": self.max_new_tokens,
             "accept_rate": self.accept_rate(),
+            "proposed_per_round": sum(sum(p.proposed) for p in self.prompts) / max(self.rounds, 1),
             "speculative_tokens_per_s": spec,
             "greedy_tokens_per_s": greedy,
             "speedup": spec / greedy if spec and greedy else None,
@@ -134,7 +138,8 @@ class EvalReport:
         s = self.summary()
         lines = [f"true acceptance length (greedy, batch 1, {s['max_new_tokens']} new tokens): "
                  f"tau {s['tau']:.3f} over {s['num_prompts']} prompts ({s['rounds']} verify rounds, "
-                 f"{s['new_tokens']} tokens; per-prompt mean {s['tau_prompt_mean']:.3f})"]
+                 f"{s['new_tokens']} tokens; per-prompt mean {s['tau_prompt_mean']:.3f}; "
+                 f"{s['proposed_per_round']:.2f} of {s['num_draft_tokens']} draft tokens proposed per round)"]
         rates = s["accept_rate"]
         shown = [f"{k + 1}:{r:.2f}" for k, r in enumerate(rates) if k < 8 or r > 0]
         lines.append("accepted at draft position " + " ".join(shown))
@@ -154,7 +159,7 @@ def _prompt_report(prompt: EvalPrompt, spec, greedy, divergence: Divergence | No
     rep = PromptReport(
         name=prompt.name, prompt_tokens=len(prompt.ids), new_tokens=len(spec.tokens), rounds=spec.rounds,
         round_tokens=spec.round_tokens, tau=spec.round_tokens / max(spec.rounds, 1),
-        speculative_s=spec.wall_s, accepted=list(spec.accepted),
+        speculative_s=spec.wall_s, accepted=list(spec.accepted), proposed=list(spec.proposed),
     )
     if greedy is not None:
         rep.greedy_s = greedy.wall_s

@@ -1,0 +1,150 @@
+"""DSpark's distillation terms through the frozen lm_head, chunked over rows.
+
+Slot logits are ``z = lm_head(h) + W2 f`` (backbone plus Markov bias); the target's are
+``lm_head(t)`` of its own final-norm hidden ``t`` at the same position. Per row this computes the
+CE against the data token, ``L1 = sum_v |softmax(z) - softmax(z_t)|`` and the argmax, ``chunk_rows``
+rows at a time: neither distribution is alive for more rows than that, and nothing of size
+``[N, V]`` is saved for backward. Since the weighted loss ``sum w (a CE + b L1)`` is linear in the
+per-row terms with weights known in forward, each chunk's gradient with respect to ``z`` is
+formed right there and reduced to the gradients of ``h`` ``[N, H]``, ``f`` ``[N, r]`` and ``W2``
+``[V, r]``; backward only scales them (no second lm_head pass).
+
+d CE / dz = p - onehot(label); with s = sign(p - p_t), d L1 / dz_j = p_j (s_j - sum_v p_v s_v).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DistillOutput:
+    loss_sum: torch.Tensor
+    """Scalar ``sum_rows w (ce_weight * CE + l1_weight * L1)``, differentiable with respect to the
+    hidden rows, the Markov features and ``W2``."""
+    ce: torch.Tensor
+    """[N] per-row CE (fp32, fp64 for fp64 inputs); not differentiable."""
+    l1: torch.Tensor
+    """[N] per-row ``|p_draft - p_target|_1`` in [0, 2]; not differentiable."""
+    argmax: torch.Tensor
+    """[N] int64 argmax of the draft logits."""
+
+
+# Logits more than this below a row's max are raised to it before exp: past it fp32 probabilities
+# turn subnormal, and subnormal operands make CPU exp and matmuls 10-60x slower (measured on a
+# DSpark step: the [c, V] x [V, H] gradient matmul 19.4 s -> 0.3 s). Each raised entry moves its
+# row's sums by < 1e-26.
+_LOGIT_FLOOR = -60.0
+
+
+def _softmax_lse(z):
+    """``(softmax(z), logsumexp(z))`` of ``[c, V]`` rows from one exp, with the floor above."""
+    m = z.amax(dim=-1, keepdim=True)
+    e = torch.exp((z - m).clamp(min=_LOGIT_FLOOR))
+    total = e.sum(dim=-1, keepdim=True)
+    return e / total, m + torch.log(total)
+
+
+def _chunk_stats(z, zt, labels, weight, ce_weight: float, l1_weight: float, need_grad: bool):
+    """CE, L1, argmax and (``need_grad``) ``d loss / d z`` of one ``[c, V]`` chunk (fp32+)."""
+    p, lse = _softmax_lse(z)
+    pt, _ = _softmax_lse(zt)
+    ce = lse.squeeze(-1) - z.gather(1, labels[:, None]).squeeze(1)
+    diff = p - pt
+    l1 = diff.abs().sum(dim=-1)
+    argmax = z.argmax(dim=-1)
+    if not need_grad:
+        return ce, l1, argmax, None
+    sign = torch.sign(diff)
+    g_l1 = p * (sign - (p * sign).sum(dim=-1, keepdim=True))
+    g_ce = p.scatter_add(1, labels[:, None], torch.full_like(p[:, :1], -1.0))
+    grad_z = weight[:, None] * (ce_weight * g_ce + l1_weight * g_l1)
+    return ce, l1, argmax, grad_z
+
+
+# one graph per chunk size (a run has at most two: full and last), as models/common/cross_entropy.py
+_compiled_chunk_stats = torch.compile(_chunk_stats, fullgraph=True, dynamic=False)
+
+
+class _MarkovDistill(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, feats, w2, lm_head, teacher, labels, weight, ce_weight, l1_weight, chunk_rows):
+        n = hidden.shape[0]
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        need = any(ctx.needs_input_grad[:3])
+        stats = _compiled_chunk_stats if hidden.device.type == "cuda" else _chunk_stats
+        ce = torch.empty(n, dtype=acc, device=hidden.device)
+        l1 = torch.empty(n, dtype=acc, device=hidden.device)
+        argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
+        grad_h = torch.empty(n, hidden.shape[1], dtype=acc, device=hidden.device) if need else None
+        grad_f = torch.empty(n, feats.shape[1], dtype=acc, device=hidden.device) if need else None
+        grad_w2 = torch.zeros(w2.shape, dtype=acc, device=hidden.device) if need else None
+        w = weight.to(acc)
+        for s in range(0, n, chunk_rows):
+            e = min(s + chunk_rows, n)
+            # matmuls in the tables' dtype (bf16 on GPU), statistics in >= fp32
+            fc = feats[s:e].to(w2.dtype)
+            z = (hidden[s:e].to(lm_head.dtype) @ lm_head.t()).to(acc) + (fc @ w2.t()).to(acc)
+            zt = (teacher[s:e].to(lm_head.dtype) @ lm_head.t()).to(acc)
+            ce[s:e], l1[s:e], argmax[s:e], grad_z = stats(z, zt, labels[s:e], w[s:e], ce_weight, l1_weight, need)
+            del z, zt
+            if need:
+                grad_h[s:e] = (grad_z.to(lm_head.dtype) @ lm_head).to(acc)
+                gz = grad_z.to(w2.dtype)
+                grad_f[s:e] = (gz @ w2).to(acc)
+                grad_w2 += (gz.t() @ fc).to(acc)
+            del grad_z
+        loss_sum = (w * (ce_weight * ce + l1_weight * l1)).sum()
+        ctx.save_for_backward(grad_h, grad_f, grad_w2)
+        ctx.dtypes = (hidden.dtype, feats.dtype, w2.dtype)
+        ctx.mark_non_differentiable(ce, l1, argmax)
+        return loss_sum, ce, l1, argmax
+
+    @staticmethod
+    def backward(ctx, g, _g_ce, _g_l1, _g_argmax):
+        grad_h, grad_f, grad_w2 = ctx.saved_tensors
+        dh, df, dw = ctx.dtypes
+        g = g.to(grad_h.dtype)
+        return ((g * grad_h).to(dh), (g * grad_f).to(df), (g * grad_w2).to(dw),
+                None, None, None, None, None, None, None)
+
+
+def markov_distill(
+    hidden: torch.Tensor,
+    feats: torch.Tensor,
+    w2: torch.Tensor,
+    lm_head: torch.Tensor,
+    teacher: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    ce_weight: float,
+    l1_weight: float,
+    chunk_rows: int = 2048,
+) -> DistillOutput:
+    """The weighted CE + L1 of DSpark's slot distributions (module docstring).
+
+    Args:
+        hidden: ``[N, H]`` final-norm draft rows.
+        feats: ``[N, r]`` Markov features (the bias is ``feats @ w2.T``).
+        w2: ``[V, r]`` the Markov head's ``markov_w2.weight`` (trainable).
+        lm_head: ``[V, H]`` the target's frozen lm_head.
+        teacher: ``[N, H]`` the target's final-norm hidden at each row's position (no gradient).
+        labels: ``[N]`` int64 data tokens, all in ``[0, V)`` (rows without one get weight 0).
+        weight: ``[N]`` per-row loss weights (no gradient).
+    """
+    if lm_head.requires_grad or teacher.requires_grad or weight.requires_grad:
+        raise ValueError("markov_distill: lm_head, teacher and weight must not require grad")
+    if hidden.dim() != 2 or hidden.shape != teacher.shape or hidden.shape[1] != lm_head.shape[1]:
+        raise ValueError(f"markov_distill: hidden {tuple(hidden.shape)}, teacher {tuple(teacher.shape)} and "
+                         f"lm_head {tuple(lm_head.shape)} must be [N, H], [N, H] and [V, H]")
+    if feats.shape[0] != hidden.shape[0] or w2.shape != (lm_head.shape[0], feats.shape[1]):
+        raise ValueError(f"markov_distill: feats {tuple(feats.shape)} and w2 {tuple(w2.shape)} must be "
+                         f"[N, r] and [V, r]")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    loss_sum, ce, l1, argmax = _MarkovDistill.apply(hidden, feats, w2, lm_head, teacher, labels, weight,
+                                                     float(ce_weight), float(l1_weight), int(chunk_rows))
+    return DistillOutput(loss_sum=loss_sum, ce=ce, l1=l1, argmax=argmax)

@@ -1,0 +1,127 @@
+"""DSpark's loss and metrics over the backbone's blocks.
+
+Slot convention (DeepSpec's, which SGLang serves): slot k of the block anchored at ``a`` (input
+``x_a`` in slot 0, the mask token elsewhere, RoPE position ``a + k``) predicts ``x[a + k + 1]``;
+its previous token, the Markov head's input, is ``x[a + k]`` (the anchor for slot 0). The
+target's distribution for that token is ``softmax(lm_head(t[a + k]))``, ``t`` its final-norm
+hidden states.
+
+Eval mask ``m_k = prod_{i <= k} keep * [a + i + 1 < len] * loss_mask[a + i + 1]`` (a slot counts
+only while every slot before it is a real loss token: at decoding a draft past a miss is never
+verified); weight ``w_k = m_k * exp(-k / loss_gamma)``. Loss sum
+``sum w (ce_w * CE + l1_w * L1 + conf_w * BCE(c, c*))`` with ``c* = 1 - L1 / 2`` (detached): the
+trainer divides it by the global (accumulation and DP reduced) ``sum w``, so each term is
+normalized by the same weight sum, as DeepSpec does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from models.common.block_diffusion import DraftBlocks
+from models.dspark.loss import markov_distill
+from titan_draft.protocols.features import DraftOutput
+
+
+@dataclass
+class SlotTargets:
+    """What each slot is trained against, ``[B, N, b]``."""
+
+    labels: torch.Tensor
+    """x[a + k + 1] (clamped inside the sequence)."""
+    prev: torch.Tensor
+    """x[a + k], the Markov head's previous token (the anchor for slot 0)."""
+    teacher_pos: torch.Tensor
+    """a + k, the position whose target hidden predicts the label (clamped)."""
+    mask: torch.Tensor
+    """The cumulative eval mask m_k (float)."""
+    weight: torch.Tensor
+    """m_k * exp(-k / gamma)."""
+
+
+def build_slot_targets(input_ids, loss_mask, valid_lengths, anchors, keep, block_size: int, gamma: float,
+                       dtype: torch.dtype = torch.float32) -> SlotTargets:
+    bsz, seq = input_ids.shape
+    n = anchors.shape[1]
+    k = torch.arange(block_size, device=input_ids.device)
+    pos = anchors[:, :, None] + k  # [B, N, b]: slot k sits at a + k
+
+    def gather(src, p):
+        return src.gather(1, p.clamp(0, seq - 1).reshape(bsz, -1)).view(bsz, n, block_size)
+
+    nxt = pos + 1
+    ok = keep[:, :, None] & (nxt < valid_lengths.to(pos.device)[:, None, None]) & gather(loss_mask.bool(), nxt)
+    mask = torch.cumprod(ok.to(dtype), dim=-1)
+    decay = torch.exp(-k.to(dtype) / gamma)
+    return SlotTargets(labels=gather(input_ids, nxt), prev=gather(input_ids, pos), teacher_pos=pos.clamp(0, seq - 1),
+                       mask=mask, weight=mask * decay)
+
+
+def gather_rows(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``x [B, S, H]`` at ``pos [B, N, b]`` -> ``[B * N * b, H]``."""
+    bsz, _, h = x.shape
+    idx = pos.reshape(bsz, -1, 1).expand(-1, -1, h)
+    return x.gather(1, idx).reshape(-1, h)
+
+
+def dspark_objective(draft, hidden: torch.Tensor, blocks: DraftBlocks, last_hidden: torch.Tensor,
+                     input_ids, loss_mask, valid_lengths) -> DraftOutput:
+    """Loss sum, denominator and metrics of one micro-batch (module docstring).
+
+    ``hidden [B, N * b, H]`` are the backbone's final-norm block rows; ``draft`` supplies
+    ``args``, ``markov_head``, ``confidence_head`` (or None) and ``target_lm_head``.
+    """
+    a = draft.args
+    bsz, n = blocks.anchors.shape
+    b = a.block_size
+    dim = hidden.shape[-1]
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    t = build_slot_targets(input_ids, loss_mask, valid_lengths, blocks.anchors, blocks.keep, b, a.loss_gamma, acc)
+    rows = hidden.reshape(-1, dim)
+    feats, prev_emb = draft.markov_head.block_features(hidden.view(bsz * n, b, dim), t.prev.view(bsz * n, b))
+    teacher = gather_rows(last_hidden, t.teacher_pos).detach()
+    w = t.weight.reshape(-1)
+    m = t.mask.reshape(-1)
+    labels = t.labels.reshape(-1)
+    out = markov_distill(rows, feats.reshape(bsz * n * b, -1), draft.markov_head.markov_w2.weight,
+                         draft.target_lm_head, teacher, labels, w, ce_weight=a.ce_loss_weight,
+                         l1_weight=a.l1_loss_weight, chunk_rows=a.ce_chunk_rows)
+    loss_sum = out.loss_sum
+    # the probability that the target accepts a draft sampled from p_d: sum_v min(p_d, p_t)
+    accept = (1.0 - 0.5 * out.l1).clamp(0.0, 1.0)
+    correct = (out.argmax == labels).to(acc)
+    metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
+        "ce": ((w * out.ce).sum(), w.sum()),
+        "l1": ((w * out.l1).sum(), w.sum()),
+        "acc": ((m * correct).sum(), m.sum()),
+    }
+    m3 = t.mask
+    ok3, acc3 = (m * correct).view(bsz, n, b), (m * accept).view(bsz, n, b)
+    for k in range(b):
+        metrics[f"acc_{k}"] = (ok3[:, :, k].sum(), m3[:, :, k].sum())
+        metrics[f"accept_rate_{k}"] = (acc3[:, :, k].sum(), m3[:, :, k].sum())
+    keep = blocks.keep.to(acc)
+    # greedy: accepted up to the first miss; T = 1: expected accepted length of the block
+    metrics["accept_len"] = ((keep * (1.0 + torch.cumprod(ok3, dim=-1).sum(dim=-1))).sum(), keep.sum())
+    metrics["tau_probabilistic"] = ((keep * (1.0 + torch.cumprod(acc3, dim=-1).sum(dim=-1))).sum(), keep.sum())
+
+    if draft.confidence_head is not None:
+        logit = draft.confidence_head(rows, prev_emb.reshape(bsz * n * b, -1)).to(acc)
+        target = accept.detach()
+        bce = F.binary_cross_entropy_with_logits(logit, target, reduction="none")
+        bce_sum = (w * bce).sum()
+        loss_sum = loss_sum + a.confidence_loss_weight * bce_sum
+        c = torch.sigmoid(logit.detach())
+        metrics["conf_bce"] = (bce_sum, w.sum())
+        metrics["conf_abs_error"] = ((w * (c - target).abs()).sum(), w.sum())
+        metrics["conf_bias"] = ((w * (c - target)).sum(), w.sum())
+        # calibration of the product the proposer stops on: predicted vs true survival
+        pc = torch.cumprod(c.view(bsz, n, b) * m3, dim=-1)
+        pt = torch.cumprod(target.view(bsz, n, b) * m3, dim=-1)
+        metrics["conf_prefix_bias"] = ((t.weight * (pc - pt)).sum(), w.sum())
+
+    metrics = {k: (num.detach(), den.detach()) for k, (num, den) in metrics.items()}
+    return DraftOutput(loss_sum=loss_sum, loss_denominator=w.sum().detach(), metrics=metrics)
