@@ -181,6 +181,9 @@ def _parse(argv):
     p.add_argument("--data-source", default=None, help="for 'holdout' (default: the training run's)")
     p.add_argument("--holdout-rows", type=int, default=None, help="for 'holdout' (default: the training run's)")
     p.add_argument("--no-lossless-check", action="store_true", help="skip plain greedy decoding")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (checked token for token); > 0: speculative sampling (lossless in distribution)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i draws from seed + i)")
     p.add_argument("--proposer-option", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument of the draft's proposer (its build_proposer_fn), repeatable; VALUE "
                         "is read as JSON when it parses (e.g. confidence_threshold=0.5 for DSpark)")
@@ -245,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     report = evaluate(target, proposer, prompts, max_new_tokens=a.max_new_tokens,
                       stop_ids=stop_token_ids(tokenizer, template), device=device,
-                      check_lossless=not a.no_lossless_check)
+                      check_lossless=not a.no_lossless_check, temperature=a.temperature, seed=a.seed)
     print(report.table())
     if a.out:
         with open(a.out, "w") as f:

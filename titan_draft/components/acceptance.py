@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from titan_draft.components.speculative import Divergence, compare, greedy_decode, speculative_decode
+from titan_draft.components.speculative_sampling import SampledRule
 from titan_draft.data.prompts import EvalPrompt
 from titan_draft.protocols.proposer import Proposer
 
@@ -77,6 +78,9 @@ class EvalReport:
     prompts: list[PromptReport]
     num_draft_tokens: int
     max_new_tokens: int
+    temperature: float = 0.0
+    """0: greedy, checked token for token; > 0: speculative sampling (lossless in distribution,
+    tests/test_speculative_sampling.py), so no per-token check."""
 
     @property
     def rounds(self) -> int:
@@ -121,6 +125,7 @@ class EvalReport:
             "new_tokens": sum(p.new_tokens for p in self.prompts),
             "num_draft_tokens": self.num_draft_tokens,
             "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
             "accept_rate": self.accept_rate(),
             "proposed_per_round": sum(sum(p.proposed) for p in self.prompts) / max(self.rounds, 1),
             "speculative_tokens_per_s": spec,
@@ -136,7 +141,8 @@ class EvalReport:
     def table(self) -> str:
         """A short human-readable report."""
         s = self.summary()
-        lines = [f"true acceptance length (greedy, batch 1, {s['max_new_tokens']} new tokens): "
+        mode = "greedy" if self.temperature <= 0 else f"sampling at T={self.temperature:g}"
+        lines = [f"true acceptance length ({mode}, batch 1, {s['max_new_tokens']} new tokens): "
                  f"tau {s['tau']:.3f} over {s['num_prompts']} prompts ({s['rounds']} verify rounds, "
                  f"{s['new_tokens']} tokens; per-prompt mean {s['tau_prompt_mean']:.3f}; "
                  f"{s['proposed_per_round']:.2f} of {s['num_draft_tokens']} draft tokens proposed per round)"]
@@ -144,10 +150,14 @@ class EvalReport:
         shown = [f"{k + 1}:{r:.2f}" for k, r in enumerate(rates) if k < 8 or r > 0]
         lines.append("accepted at draft position " + " ".join(shown))
         if s["greedy_tokens_per_s"] is not None:
-            lines.append(f"speed: speculative {s['speculative_tokens_per_s']:.1f} tok/s, plain greedy "
+            plain = "greedy" if self.temperature <= 0 else "sampling"
+            lines.append(f"speed: speculative {s['speculative_tokens_per_s']:.1f} tok/s, plain {plain} "
                          f"{s['greedy_tokens_per_s']:.1f} tok/s ({s['speedup']:.2f}x)")
-            lines.append(f"lossless: {s['lossless_prompts']}/{s['num_prompts']} prompts identical to "
-                         "plain greedy decoding")
+            if self.temperature > 0:
+                lines.append("lossless: in distribution (the rejection rule), not comparable token for token")
+            else:
+                lines.append(f"lossless: {s['lossless_prompts']}/{s['num_prompts']} prompts identical to "
+                             "plain greedy decoding")
             for d in s["divergences"]:
                 lines.append(f"  {d['name']}: differs at new token {d['index']} (greedy {d['greedy_token']}, "
                              f"speculative {d['speculative_token']}; greedy top-2 margin {d['margin']:.4g}, "
@@ -155,7 +165,8 @@ class EvalReport:
         return "\n".join(lines)
 
 
-def _prompt_report(prompt: EvalPrompt, spec, greedy, divergence: Divergence | None) -> PromptReport:
+def _prompt_report(prompt: EvalPrompt, spec, greedy, divergence: Divergence | None,
+                   sampled: bool = False) -> PromptReport:
     rep = PromptReport(
         name=prompt.name, prompt_tokens=len(prompt.ids), new_tokens=len(spec.tokens), rounds=spec.rounds,
         round_tokens=spec.round_tokens, tau=spec.round_tokens / max(spec.rounds, 1),
@@ -163,7 +174,7 @@ def _prompt_report(prompt: EvalPrompt, spec, greedy, divergence: Divergence | No
     )
     if greedy is not None:
         rep.greedy_s = greedy.wall_s
-        rep.lossless = divergence is None
+        rep.lossless = None if sampled else divergence is None
         rep.divergence = None if divergence is None else {
             k: (None if isinstance(v, float) and math.isnan(v) else v)
             for k, v in dataclasses.asdict(divergence).items()
@@ -173,8 +184,11 @@ def _prompt_report(prompt: EvalPrompt, spec, greedy, divergence: Divergence | No
 
 @torch.no_grad()
 def evaluate(target, proposer: Proposer, prompts: list[EvalPrompt], *, max_new_tokens: int,
-             stop_ids, device: torch.device, check_lossless: bool = True) -> EvalReport:
-    """Speculative (and, with ``check_lossless``, plain greedy) decoding of every prompt.
+             stop_ids, device: torch.device, check_lossless: bool = True, temperature: float = 0.0,
+             seed: int = 0) -> EvalReport:
+    """Speculative (and, with ``check_lossless``, plain) decoding of every prompt: greedy, or at
+    ``temperature`` > 0 speculative sampling with prompt i's draws seeded ``seed + i`` (the plain
+    run then only gives the speed to compare with).
 
     With a process group of several ranks, rank ``r`` decodes prompts ``r, r + W, ...`` and the
     returned report (the same on every rank) holds all of them in order.
@@ -185,16 +199,23 @@ def evaluate(target, proposer: Proposer, prompts: list[EvalPrompt], *, max_new_t
     mine = []
     for i in range(rank, len(prompts), world):
         p = prompts[i]
-        spec = speculative_decode(stepped, proposer, p.ids, max_new_tokens, stop_ids, device)
+        rule = _rule(temperature, seed + i)
+        spec = speculative_decode(stepped, proposer, p.ids, max_new_tokens, stop_ids, device, rule=rule)
         greedy = divergence = None
         if check_lossless:
-            greedy = greedy_decode(stepped, p.ids, max_new_tokens, stop_ids, device)
-            divergence = compare(stepped, p.ids, greedy, spec, device)
-        mine.append((i, _prompt_report(p, spec, greedy, divergence)))
+            greedy = greedy_decode(stepped, p.ids, max_new_tokens, stop_ids, device, rule=_rule(temperature, seed + i))
+            if rule is None:
+                divergence = compare(stepped, p.ids, greedy, spec, device)
+        mine.append((i, _prompt_report(p, spec, greedy, divergence, sampled=rule is not None)))
     stepped.drain()
     if world > 1:
         gathered: list = [None] * world
         dist.all_gather_object(gathered, mine)
         mine = [item for part in gathered for item in part]
     reports = [rep for _, rep in sorted(mine, key=lambda item: item[0])]
-    return EvalReport(prompts=reports, num_draft_tokens=proposer.num_draft_tokens, max_new_tokens=max_new_tokens)
+    return EvalReport(prompts=reports, num_draft_tokens=proposer.num_draft_tokens, max_new_tokens=max_new_tokens,
+                      temperature=temperature)
+
+
+def _rule(temperature: float, seed: int) -> SampledRule | None:
+    return SampledRule(temperature, torch.Generator().manual_seed(seed)) if temperature > 0 else None
