@@ -6,7 +6,6 @@ import os
 
 import torch
 
-import titan_draft.train as train_module
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,7 +30,7 @@ def job_args(dump, data: str, target: str, *extra: str) -> list[str]:
 def poison_features(monkeypatch, trainer, steps) -> None:
     """Make the target's captured hidden states NaN at the given optimizer steps (a diverging
     target or bad data row): the draft's loss and gradients become NaN there."""
-    real = train_module.compute_features
+    real = trainer.features_fn
 
     def poisoned(*args, **kwargs):
         features = real(*args, **kwargs)
@@ -39,7 +38,7 @@ def poison_features(monkeypatch, trainer, steps) -> None:
             features.aux_hidden = torch.full_like(features.aux_hidden, float("nan"))
         return features
 
-    monkeypatch.setattr(train_module, "compute_features", poisoned)
+    monkeypatch.setattr(trainer, "features_fn", poisoned)
 
 
 def weights(trainer) -> dict[str, torch.Tensor]:

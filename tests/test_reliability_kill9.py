@@ -35,12 +35,12 @@ _DRIVER = textwrap.dedent("""
             return real_fsync(fd)
         os.fsync = fsync
     else:
-        real = train_module.compute_features
+        real = trainer.features_fn
         def hooked(*a, **k):
             if trainer.train_state.step == kill_step:
                 die()
             return real(*a, **k)
-        train_module.compute_features = hooked
+        trainer.features_fn = hooked
     losses = trainer.train()
     print("LOSSES " + json.dumps(losses))
 """)

@@ -33,7 +33,7 @@ def _main_error(capsys, argv) -> str:
 @pytest.mark.parametrize("extra, expected", [
     (("--data.source", "/no/such/data.jsonl"), "data.source: '/no/such/data.jsonl' does not exist"),
     (("--model.flavor", "huge"), "model.flavor: 'huge' is not a dflash2 flavor"),
-    (("--model.name", "nope"), "unknown model.name 'nope'; registered drafts: ['dflash2', 'eagle3'"),
+    (("--model.name", "nope"), "unknown model.name 'nope'; registered drafts: ['dflash2', 'dspark', 'eagle3'"),
     (("--model.args.no_such_arg", "1"), "model.args: unknown dflash2 arg(s) ['no_such_arg']"),
     (("--target.capture_layers", "1,6"), "target.capture_layers: [6] out of range: "),
     (("--data.max_length", "8"), "data.source: none of the first 200 rows of "),

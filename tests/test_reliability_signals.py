@@ -11,7 +11,6 @@ import textwrap
 
 import pytest
 
-import titan_draft.train as train_module
 from titan_draft.components.signals import maybe_handle_stop_signals
 from titan_draft.config import ConfigManager
 from titan_draft.distributed.utils import destroy_distributed
@@ -22,14 +21,14 @@ from trainer_runs import run_training
 
 def _signal_at(monkeypatch, trainer, step, signum):
     """Deliver ``signum`` to this process in the middle of ``step`` (while the target runs)."""
-    real = train_module.compute_features
+    real = trainer.features_fn
 
     def hooked(*args, **kwargs):
         if trainer.train_state.step == step:
             os.kill(os.getpid(), signum)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, "compute_features", hooked)
+    monkeypatch.setattr(trainer, "features_fn", hooked)
 
 
 def _stopped_run(dump, chat_jsonl, random_target_dir, monkeypatch, signum, common):
