@@ -25,8 +25,12 @@ done
 # ..."); torchrun then adds its own launcher traceback and ChildFailedError table, which only
 # repeat that a rank failed. Drop that report (and torchrun's "failed (exitcode" log line) from
 # stderr; any other launcher traceback is shown whole. The exit status stays torchrun's.
+# mawk (Debian's awk) reads a pipe in blocks unless told otherwise, which would hold log lines back
+# for minutes; -W interactive makes it read line by line
+awk_live=()
+if awk -W version 2>&1 | grep -q mawk; then awk_live=(-W interactive); fi
 drop_launcher_report() {
-  awk '
+  awk ${awk_live[@]+"${awk_live[@]}"} '
     /^Traceback \(most recent call last\):/ { block = 1; n = 0; rules = 0; child = 0 }
     block {
       buf[++n] = $0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -67,3 +68,20 @@ def test_run_train_sh_shows_the_trainers_line_without_torchruns_report(tmp_path,
     assert "titan_draft: error: model.flavor: 'huge' is not a dflash2 flavor (" in out[-1], out  # the last line
     text = proc.stdout + proc.stderr
     assert "ChildFailedError" not in text and "Traceback" not in text and "Root Cause" not in text, text
+
+
+def test_run_train_sh_passes_log_lines_on_as_they_come(tmp_path):
+    """The stderr filter must not hold lines back (mawk reads pipes in blocks by default): a
+    line the launcher writes reaches the terminal before the launcher's next one, seconds later."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "torchrun").write_text("#!/usr/bin/env bash\necho first >&2\nsleep 3\necho second >&2\n")
+    (fake / "torchrun").chmod(0o755)
+    proc = subprocess.Popen(["./run_train.sh"], cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True, env={"PATH": f"{fake}:/usr/bin:/bin", "NGPU": "1", "HOME": str(tmp_path)})
+    seen = []
+    for line in proc.stderr:
+        seen.append((line.strip(), time.monotonic()))
+    assert proc.wait(timeout=30) == 0
+    (first, t1), (second, t2) = [s for s in seen if s[0] in ("first", "second")]
+    assert (first, second) == ("first", "second") and t2 - t1 > 2.0, seen
