@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from titan_draft.components.cuda_graphs import maybe_graphed  # noqa: E402
 from titan_draft.components.target import load_target  # noqa: E402
 from titan_draft.data.chat_template import resolve_template  # noqa: E402
 from titan_draft.data.prompts import first_query, render_prompt, stop_token_ids  # noqa: E402
@@ -99,6 +100,8 @@ def _parse(argv):
                    help="system turn for prompts without one ('auto': the target template's own, '': none)")
     p.add_argument("--enable-thinking", default="false", choices=["true", "false"], help="qwen3 only")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="decode eagerly (default on a GPU: each batch's decode step replays as a CUDA graph)")
     p.add_argument("--max-seconds", type=float, default=0,
                    help="start no new batch after this long (0: no limit); run again to continue")
     return p.parse_args(argv)
@@ -140,7 +143,7 @@ def main(argv=None) -> None:
         rows, total = load_rows(a.source, max_rows=a.num_prompts, skip_rows=a.skip_rows)
     except ValueError as e:
         raise SystemExit(f"regenerate_data: error: {e}") from None
-    target = load_target(a.target, dtype=dtype, device=device)
+    target = maybe_graphed(load_target(a.target, dtype=dtype, device=device), device, not a.no_cuda_graphs)
     stops = stop_token_ids(tokenizer, template)
     thinking = a.enable_thinking == "true"
     os.makedirs(os.path.join(a.out, "meta"), exist_ok=True)

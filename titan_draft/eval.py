@@ -139,7 +139,8 @@ class Evaluator:
         del state
         report = evaluate(self.target, self.spec.build_proposer_fn(draft), self.prompts,
                           max_new_tokens=self.cfg.eval.max_new_tokens, stop_ids=self.stop_ids,
-                          device=self.device, check_lossless=self.cfg.eval.check_lossless)
+                          device=self.device, check_lossless=self.cfg.eval.check_lossless,
+                          cuda_graphs=self.cfg.eval.cuda_graphs)
         del draft
         if is_rank0:
             os.makedirs(self.folder, exist_ok=True)
@@ -181,6 +182,8 @@ def _parse(argv):
     p.add_argument("--data-source", default=None, help="for 'holdout' (default: the training run's)")
     p.add_argument("--holdout-rows", type=int, default=None, help="for 'holdout' (default: the training run's)")
     p.add_argument("--no-lossless-check", action="store_true", help="skip plain greedy decoding")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="decode eagerly (default on one GPU: the target's decode steps replay as CUDA graphs)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy (checked token for token); > 0: speculative sampling (lossless in distribution)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i draws from seed + i)")
@@ -248,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     report = evaluate(target, proposer, prompts, max_new_tokens=a.max_new_tokens,
                       stop_ids=stop_token_ids(tokenizer, template), device=device,
-                      check_lossless=not a.no_lossless_check, temperature=a.temperature, seed=a.seed)
+                      check_lossless=not a.no_lossless_check, temperature=a.temperature, seed=a.seed,
+                      cuda_graphs=not a.no_cuda_graphs)
     print(report.table())
     if a.out:
         with open(a.out, "w") as f:

@@ -23,6 +23,7 @@ from models.common import (
 )
 from models.qwen3.args import Qwen3Args
 from models.qwen3.cache import DecodeStep, KVCache, LayerCache
+from models.qwen3.static_cache import StaticKVCache
 from titan_draft.protocols.target_spec import check_capture_layer_ids
 
 
@@ -43,8 +44,25 @@ class Qwen3Attention(QKNormProjections):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             k, v = kv.update(k, v)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=kv.mask, enable_gqa=gqa)
+            o = cached_attention(q, k, v, kv.mask)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of ``q [B, H, T, D]`` over cached ``k, v [B, KV, S, D]`` under ``mask
+    [B, 1, T, S]``. The ``H // KV`` query heads of each key head are folded into its query rows
+    (head ``h`` reads key head ``h // (H // KV)``, as ``enable_gqa``): a masked GQA call would
+    fall back to the math kernel, which copies every key and value per query head, while this
+    one goes to the memory-efficient kernel at any batch."""
+    b, h, t, d = q.shape
+    groups = h // k.shape[1]
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    folded = q.reshape(b, k.shape[1], groups * t, d)
+    if mask is not None:
+        s = mask.shape[-1]
+        mask = mask[:, :, None].expand(b, 1, groups, t, s).reshape(b, 1, groups * t, s)
+    return F.scaled_dot_product_attention(folded, k, v, attn_mask=mask).reshape(b, h, t, d)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -188,13 +206,14 @@ class Qwen3Model(nn.Module):
         aux = torch.cat([outs[i] for i in layer_ids], dim=-1) if layer_ids else None
         return DecodeStep(logits=out_logits, aux=aux, last_hidden=normed if need_last_hidden else None)
 
-    def new_cache(self, batch: int, max_len: int, pad: torch.Tensor | None = None) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, pad: torch.Tensor | None = None, static: bool = False) -> KVCache:
         """An empty :class:`KVCache` for ``batch`` rows of up to ``max_len`` tokens, in the
-        model's dtype and on its device (``pad``: left-padding per row)."""
+        model's dtype and on its device (``pad``: left-padding per row; ``static``: the
+        fixed-shape :class:`StaticKVCache` that CUDA graphs need)."""
         w = self.embed_tokens.weight
         local = w.to_local() if isinstance(w, DTensor) else w
         a = self.args
-        return KVCache(a.num_hidden_layers, batch, max_len, a.num_key_value_heads, a.head_dim,
+        return (StaticKVCache if static else KVCache)(a.num_hidden_layers, batch, max_len, a.num_key_value_heads, a.head_dim,
                        dtype=local.dtype, device=local.device, pad=pad)
 
     @torch.no_grad()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from titan_draft.components.cuda_graphs import maybe_graphed
 from titan_draft.components.speculative import Divergence, compare, greedy_decode, speculative_decode
 from titan_draft.components.speculative_sampling import SampledRule
 from titan_draft.data.prompts import EvalPrompt
@@ -185,17 +186,18 @@ def _prompt_report(prompt: EvalPrompt, spec, greedy, divergence: Divergence | No
 @torch.no_grad()
 def evaluate(target, proposer: Proposer, prompts: list[EvalPrompt], *, max_new_tokens: int,
              stop_ids, device: torch.device, check_lossless: bool = True, temperature: float = 0.0,
-             seed: int = 0) -> EvalReport:
+             seed: int = 0, cuda_graphs: bool = True) -> EvalReport:
     """Speculative (and, with ``check_lossless``, plain) decoding of every prompt: greedy, or at
     ``temperature`` > 0 speculative sampling with prompt i's draws seeded ``seed + i`` (the plain
     run then only gives the speed to compare with).
 
     With a process group of several ranks, rank ``r`` decodes prompts ``r, r + W, ...`` and the
-    returned report (the same on every rank) holds all of them in order.
+    returned report (the same on every rank) holds all of them in order. ``cuda_graphs``: the
+    target's decode steps replay as CUDA graphs where they can (``cuda_graphs.maybe_graphed``).
     """
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world > 1 else 0
-    stepped = Lockstep(target, device)
+    stepped = Lockstep(maybe_graphed(target, device, cuda_graphs), device)
     mine = []
     for i in range(rank, len(prompts), world):
         p = prompts[i]

@@ -108,7 +108,9 @@ def _freeze_and_place(model: nn.Module, device: torch.device, dtype: torch.dtype
     model.to(dtype)
     model.requires_grad_(False)
     model.eval()
-    if mesh is not None:
+    # one rank holds everything anyway: sharding over it would only add hooks to every forward
+    # and DTensor parameters, which rule out the eval's CUDA graphs
+    if mesh is not None and mesh.size() > 1:
         from titan_draft.distributed.parallelize import apply_fsdp_frozen
 
         apply_fsdp_frozen(model, mesh, blocks=model.layers, param_dtype=dtype)
