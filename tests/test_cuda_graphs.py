@@ -41,17 +41,16 @@ def test_replayed_rounds_equal_eager_rounds():
     dev = torch.device("cuda")
     target = _target(dev)
     graphed = GraphedDecoder(target)
-    ids = _ids(60, 0, dev)
-    eager_cache, graph_cache = target.new_cache(1, 80), graphed.new_cache(1, 80)
+    ids = _ids(80, 0, dev)
+    eager_cache, graph_cache = target.new_cache(1, 100), graphed.new_cache(1, 100)
     assert graph_cache.max_len % 256 == 0
     for t in (target, graphed):
-        t(ids[:, :20], LAYERS, True, cache=eager_cache if t is target else graph_cache, logits="last")
-    pos, replays = 20, 0
+        t(ids[:, :40], LAYERS, True, cache=eager_cache if t is target else graph_cache, logits="last")
+    pos = 40  # a prefill longer than MAX_GRAPH_TOKENS: eager, no graph
     for accept in (2, 4, 0, 1, 3, 4):
         block = ids[:, pos : pos + 5]
         a = target(block, LAYERS, True, cache=eager_cache, logits="all")
         b = graphed(block, LAYERS, True, cache=graph_cache, logits="all")
-        replays += 1
         for x, y in ((a.logits, b.logits), (a.aux, b.aux), (a.last_hidden, b.last_hidden)):
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
         assert graph_cache.length == eager_cache.length == pos + 5
@@ -64,6 +63,22 @@ def test_replayed_rounds_equal_eager_rounds():
         torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-4)
         pos += 1
     assert len(graphed._graphs) == 2  # one per shape, replayed at every length
+
+
+@cuda
+@torch.no_grad()
+def test_a_larger_cache_recaptures():
+    """Asking for more rows than the cache has makes a new cache and new graphs (regeneration's
+    last, smaller or larger batch), whose replays are right too."""
+    dev = torch.device("cuda")
+    target = _target(dev)
+    graphed = GraphedDecoder(target)
+    for batch in (2, 3, 2):
+        ids = torch.randint(0, 211, (batch, 41), device=dev)
+        cache = graphed.new_cache(batch, 50, pad=torch.zeros(batch, dtype=torch.long, device=dev))
+        graphed(ids[:, :40], cache=cache, logits="none")
+        got = graphed(ids[:, 40:], cache=cache, logits="last", need_last_hidden=False).logits
+        torch.testing.assert_close(got[:, -1], target(ids)[:, -1], rtol=1e-4, atol=1e-4)
 
 
 @cuda

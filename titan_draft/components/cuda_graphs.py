@@ -50,6 +50,9 @@ class GraphedDecoder:
         c = self.cache
         if c is None or c.batch != batch or c.max_len < slots or (c.pad is None) != (pad is None):
             self._graphs.clear()
+            # a pool whose graphs are all gone must not be captured into again (the caching
+            # allocator asserts on it): the next graphs get a new one
+            self._pool = torch.cuda.graph_pool_handle()
             self.cache = None
             self.cache = c = self.target.new_cache(batch, slots, pad=pad, static=True)
         elif pad is not None:
