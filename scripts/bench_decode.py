@@ -4,8 +4,10 @@
 
 Three cases, each timed eagerly and through ``GraphedDecoder`` on the same cache contents:
 a greedy step at batch 1 (T = 1), a verify pass of a 16-token block at batch 1 (T = 16), and a
-regeneration step at batch ``--batch`` over ``--context`` left-padded cached tokens. Medians of
-``--iters`` calls after ``--warmup``, with the ratio eager / graphs.
+regeneration step at batch ``--batch`` over ``--context`` left-padded cached tokens; then one
+DFlash2 proposal (random weights, ``--draft-flavor``) after ``--context`` committed tokens,
+eager and as a CUDA graph. Medians of ``--iters`` calls after ``--warmup``, with the ratio
+eager / graphs. ``--target smollm2-shape`` runs on random weights of SmolLM2's shape (no files).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dataclasses import replace  # noqa: E402
 
 from titan_draft.components.cuda_graphs import GraphedDecoder  # noqa: E402
 from titan_draft.components.target import load_target  # noqa: E402
@@ -57,6 +61,51 @@ def bench_case(target, batch: int, context: int, new: int, warmup: int, iters: i
     return out[0], out[1]
 
 
+def _smollm2_shape(dtype):
+    from models.qwen3 import Qwen3Model, qwen3_flavors
+
+    args = replace(qwen3_flavors["debugmodel"], hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                   num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152, qk_norm=False)
+    with torch.device("cuda"):
+        m = Qwen3Model(args)
+    m.init_weights(seed=0)
+    return m.to(dtype).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def bench_proposer(target, flavor: str, context: int, warmup: int, iters: int) -> tuple[float, float]:
+    """``(eager ms, graphs ms)`` of one DFlash2 proposal after ``context`` committed tokens."""
+    from models.dflash2.args import dflash2_flavors
+    from models.dflash2.model import DFlash2Draft
+    from models.dflash2.proposal import DFlashProposer
+
+    t = target.args
+    layers = [1, t.num_hidden_layers // 2, t.num_hidden_layers - 2]
+    a = replace(dflash2_flavors[flavor], vocab_size=t.vocab_size, target_layer_ids=layers,
+                num_target_layers=t.num_hidden_layers, mask_token_id=t.vocab_size - 1)
+    dtype = next(target.parameters()).dtype
+    with torch.device("cuda"):
+        draft = DFlash2Draft(a)
+    draft.init_weights()
+    draft = draft.to(dtype).eval()
+    draft.load_frozen_tables(target.embed_weight(), target.lm_head_weight())
+    ids = torch.randint(0, t.vocab_size - 1, (1, context), device="cuda")
+    aux = target.capture(ids, layers, False)[0][0]
+    out = []
+    for graphs in (False, True):
+        p = DFlashProposer(draft, max_len=context + 64, graphs=graphs)
+        p.commit(ids[0], aux)
+        times = []
+        for i in range(warmup + iters):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            p.propose(int(ids[0, i % context])).tolist()  # the eval reads the tokens on the host
+            if i >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+        out.append(statistics.median(times))
+    return out[0], out[1]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
@@ -65,10 +114,12 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=600, help="cached tokens before the timed call")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--draft-flavor", default="smollm2", help="DFlash2 flavor of the proposal case ('': skip)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode: needs a CUDA device (CUDA graphs)")
-    target = load_target(a.target, dtype=getattr(torch, a.dtype), device="cuda")
+    dtype = getattr(torch, a.dtype)
+    target = _smollm2_shape(dtype) if a.target == "smollm2-shape" else load_target(a.target, dtype=dtype, device="cuda")
     cases = [("greedy step, batch 1", 1, 1, "last"), ("verify 16 tokens, batch 1", 1, 16, "all"),
              (f"regeneration step, batch {a.batch}", a.batch, 1, "last")]
     print(f"| case ({a.dtype}, {a.context} cached tokens) | eager ms | graphs ms | eager / graphs | graphs tokens/s |")
@@ -77,6 +128,9 @@ def main(argv=None) -> None:
         eager, graphs = bench_case(target, batch, a.context, new, a.warmup, a.iters, logits)
         tokens = batch * (new if logits == "last" and batch > 1 else 1)
         print(f"| {name} | {eager:.2f} | {graphs:.2f} | {eager / graphs:.2f}x | {tokens / graphs * 1e3:.0f} |", flush=True)
+    if a.draft_flavor:
+        eager, graphs = bench_proposer(target, a.draft_flavor, a.context, a.warmup, a.iters)
+        print(f"| DFlash2 {a.draft_flavor} proposal, batch 1 | {eager:.2f} | {graphs:.2f} | {eager / graphs:.2f}x | - |")
 
 
 if __name__ == "__main__":

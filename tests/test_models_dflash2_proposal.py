@@ -138,3 +138,29 @@ def test_export_reads_back_into_the_same_draft(target, flavor):
         dflash2_from_export(tensors, {k: v for k, v in config.items() if k != "block_size"})
     with pytest.raises(ValueError, match="missing"):
         dflash2_from_export({k: v for k, v in tensors.items() if k != "norm.weight"}, config)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("flavor", ["debugmodel", "dflash_debugmodel"])
+@torch.no_grad()
+def test_graphed_proposals_equal_eager_ones(target, flavor):
+    """Replayed proposals (one graph, anchors and context lengths changing under it, a reserve
+    that grows past the first buffers) equal eager proposals round after round."""
+    dev = torch.device("cuda")
+    tgt = Qwen3Model(replace(qwen3_flavors["debugmodel"], vocab_size=VOCAB)).to(dev).eval()
+    tgt.load_state_dict({k: v.float() for k, v in target.state_dict().items()})
+    draft = _draft(target, flavor).float().to(dev)
+    draft.load_frozen_tables(tgt.embed_weight(), tgt.lm_head_weight())
+    ids = torch.randint(0, VOCAB - 1, (1, 600), generator=torch.Generator().manual_seed(5)).to(dev)
+    aux = tgt.capture(ids, LAYERS, False)[0][0]
+    eager, graphed = DFlashProposer(draft, graphs=False), DFlashProposer(draft, graphs=True)
+    for p in (eager, graphed):
+        p.reset(64)
+    pos = 0
+    for step in (10, 1, 3, 7, 2, 300, 5):  # the 300 grows the reserve: a new graph
+        for p in (eager, graphed):
+            p.commit(ids[0, pos : pos + step], aux[pos : pos + step])
+        pos += step
+        anchor = int(ids[0, pos])
+        assert graphed.propose(anchor).tolist() == eager.propose(anchor).tolist()
+    assert graphed._graph is not None

@@ -2,7 +2,8 @@
 ``hidden_norm`` = the context every layer injects as keys and values; the block stream (the
 target's frozen embedding of ``[anchor, MASK...]``) through ``layers``; a final ``norm``. A draft
 subclasses :class:`BlockDiffusionDraft` with its layer type and objective;
-:class:`BlockDecoder` runs the same blocks at decode time over a cached context.
+:class:`~models.common.block_decoder.BlockDecoder` runs the same blocks at decode time over a
+cached context.
 
 Parameter FQNs (``fc``, ``hidden_norm``, ``layers.{i}``, ``norm``) are the SGLang serving names.
 The target's embedding and lm_head are non-persistent buffers: loaded from the target, never
@@ -25,7 +26,7 @@ from models.common.norm import RMSNorm
 from models.common.rope import rope_cos_sin
 from titan_draft.protocols.features import TargetFeatures
 
-__all__ = ["BlockDecoder", "BlockDiffusionDraft"]
+__all__ = ["BlockDiffusionDraft"]
 
 
 class BlockDiffusionDraft(nn.Module):
@@ -112,73 +113,3 @@ class BlockDiffusionDraft(nn.Module):
         for layer in self.layers.values():
             x = layer(x, ctx, rope_q, rope_k, attn_mask)
         return self.norm(x), blocks
-
-
-class BlockDecoder:
-    """A :class:`BlockDiffusionDraft` (plain, unsharded, eval mode, tables loaded) decoding one
-    sequence: the block ``[anchor, MASK x (b - 1)]`` at positions ``n .. n + b - 1`` over the
-    context of the ``n`` committed tokens whose target features are known, exactly a training
-    block whose context is everything strictly before its anchor. The context keys and values of
-    every layer do not depend on the block, so they are cached and extended as tokens commit.
-    """
-
-    def __init__(self, draft: BlockDiffusionDraft):
-        if draft.target_lm_head.shape[0] == 0:
-            raise RuntimeError(f"{type(self).__name__}: call load_frozen_tables() on the draft first")
-        self.draft = draft
-        weight = draft.fc.weight
-        self.dtype, self.device = weight.dtype, weight.device
-        self.acc_dtype = torch.promote_types(self.dtype, torch.float32)
-        self._k = self._v = None
-        self.length = 0
-
-    def reset(self, max_len: int) -> None:
-        self.length = 0
-        self._reserve(max_len)
-
-    def _reserve(self, max_len: int) -> None:
-        """Room for ``max_len`` context positions (kept across sequences; grown by doubling)."""
-        if self._k is not None and self._k.shape[3] >= max_len:
-            return
-        a = self.draft.args
-        size = max(max_len, 2 * self._k.shape[3] if self._k is not None else 0)
-        shape = (a.num_layers, 1, a.num_key_value_heads, size, a.head_dim)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self._k is not None:
-            k[:, :, :, : self.length] = self._k[:, :, :, : self.length]
-            v[:, :, :, : self.length] = self._v[:, :, :, : self.length]
-        self._k, self._v = k, v
-
-    def _positions(self, n: int) -> torch.Tensor:
-        return torch.arange(self.length, self.length + n, device=self.device)[None]
-
-    @torch.no_grad()
-    def commit(self, token_ids: torch.Tensor, aux: torch.Tensor, last_hidden: torch.Tensor | None = None) -> None:
-        """Extend the context by ``aux [n, K*H]`` (the target's features of ``n`` committed
-        tokens): each layer's keys and values of them, computed once."""
-        n = aux.shape[0]
-        end = self.length + n
-        self._reserve(end)
-        d = self.draft
-        ctx = d.context(aux[None])
-        rope = d.rope(self._positions(n), self.acc_dtype)
-        for i, layer in enumerate(d.layers.values()):
-            k, v = layer.self_attn.keys_values(ctx, rope)
-            self._k[i, :, :, self.length:end] = k
-            self._v[i, :, :, self.length:end] = v
-        self.length = end
-
-    @torch.no_grad()
-    def block_hidden(self, last_token: int) -> torch.Tensor:
-        """Final-norm hidden states ``[b, H]`` of the block anchored at ``last_token``."""
-        d, a = self.draft, self.draft.args
-        b = a.block_size
-        ids = torch.full((1, b), a.mask_token_id, dtype=torch.long, device=self.device)
-        ids[0, 0] = last_token
-        x = F.embedding(ids, d.target_embed).to(self.dtype)
-        rope = d.rope(self._positions(b), self.acc_dtype)
-        for i, layer in enumerate(d.layers.values()):
-            ctx_kv = (self._k[i, :, :, : self.length], self._v[i, :, :, : self.length])
-            x = layer(x, ctx_kv, rope, rope, None)  # the block sees all its context and itself
-        return d.norm(x)[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from models.common import transform_logits
-from models.common.block_draft import BlockDecoder
+from models.common.block_decoder import BlockDecoder
 from models.dflash2.model import DFlash2Draft
 
 
@@ -19,34 +19,37 @@ class DFlashProposer(BlockDecoder):
     """:class:`~titan_draft.protocols.proposer.Proposer` of a plain (unsharded, eval-mode)
     :class:`DFlash2Draft` with its frozen tables loaded."""
 
-    def __init__(self, draft: DFlash2Draft, max_len: int = 0):
-        super().__init__(draft)
+    def __init__(self, draft: DFlash2Draft, max_len: int = 0, graphs: bool | None = None):
+        super().__init__(draft, graphs)
         a = draft.args
         self.num_draft_tokens = a.block_size - 1
         self.capture_layers = list(a.target_layer_ids)
         self.needs_last_hidden = False
         self.reset(max_len)
 
-    @torch.no_grad()
     def propose(self, last_token: int) -> torch.Tensor:
+        return self.run_proposal(last_token, self._propose)
+
+    def _propose(self) -> torch.Tensor:
+        """The proposal after the anchor token (device state only: it may be a graph)."""
         d, a = self.draft, self.draft.args
-        hidden = self.block_hidden(last_token)[1:]  # slots 1 .. b - 1
+        hidden = self.block_hidden()[1:]  # slots 1 .. b - 1
         w = d.target_lm_head
         logits = transform_logits((hidden.to(w.dtype) @ w.t()).to(self.acc_dtype),
                                   a.output_multiplier, a.final_logit_softcapping)
         if not a.selector_enabled:
             return logits.argmax(dim=-1)
-        return self._selector_walk(hidden, logits, last_token)
+        return self._selector_walk(hidden, logits)
 
-    def _selector_walk(self, hidden: torch.Tensor, logits: torch.Tensor, last_token: int) -> torch.Tensor:
+    def _selector_walk(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Greedy walk over each slot's unary top-K: the pick of slot k is slot k + 1's
         predecessor (the anchor is slot 1's), as in training's teacher-forced scores."""
         a = self.draft.args
         values, cands = logits.topk(a.selector_top_k, dim=-1)  # [b - 1, K]
         picks = []
-        prev = torch.tensor([last_token], device=self.device)
+        prev = self._anchor
         for k in range(hidden.shape[0]):
             scores = self.draft.candidate_selector(hidden[k : k + 1], prev, cands[k : k + 1], values[k : k + 1])
-            prev = cands[k, scores[0].argmax()].view(1)
+            prev = cands[k].gather(0, scores[0].argmax().view(1))  # no host sync: graph-safe
             picks.append(prev)
         return torch.cat(picks)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from models.common.block_draft import BlockDecoder
+from models.common.block_decoder import BlockDecoder
 from models.dspark.model import DSparkDraft
 
 
@@ -30,7 +30,8 @@ class DSparkProposer(BlockDecoder):
     """
 
     def __init__(self, draft: DSparkDraft, max_len: int = 0, confidence_threshold: float = 0.0):
-        super().__init__(draft)
+        # eager: the confidence product is read on the host slot by slot, which a graph cannot do
+        super().__init__(draft, graphs=False)
         a = draft.args
         if not 0.0 <= confidence_threshold < 1.0:
             raise ValueError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
