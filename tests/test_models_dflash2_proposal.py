@@ -164,3 +164,8 @@ def test_graphed_proposals_equal_eager_ones(target, flavor):
         anchor = int(ids[0, pos])
         assert graphed.propose(anchor).tolist() == eager.propose(anchor).tolist()
     assert graphed._graph is not None
+
+
+def test_graphs_need_a_gpu(target):
+    with pytest.raises(ValueError, match="graphs=True needs a CUDA device, the draft is on cpu"):
+        DFlashProposer(_draft(target, "debugmodel"), graphs=True)
