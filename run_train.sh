@@ -47,8 +47,38 @@ drop_launcher_report() {
   '
 }
 
+# A stop request (SIGTERM from kill, Kubernetes or Slurm's launcher; Ctrl-C) goes to the trainer
+# ranks only: each finishes its step, saves a checkpoint and exits 0, and torchrun, seeing its
+# ranks end well, exits 0 too. Delivered to torchrun itself it would tear the ranks down and exit
+# non-zero after they saved. So torchrun runs in a session of its own (Ctrl-C reaches only this
+# script) and this script forwards the signal to torchrun's children, the ranks; a second signal
+# is forwarded as well, which the ranks take as "stop now".
+interrupted=
+launcher=
+forward_stop() {
+  interrupted=1
+  if [ -n "$launcher" ]; then pkill -TERM -P "$launcher" 2>/dev/null || true; fi
+}
+trap forward_stop TERM INT
+own_session=()
+if command -v setsid >/dev/null 2>&1; then own_session=(setsid); fi
+
+# The stderr filter is this script's child, not torchrun's (so the forwarded signal skips it), and
+# ignores the signals (Ctrl-C reaches this script's whole process group).
+exec 4> >(trap '' INT TERM; drop_launcher_report >&2)
+filter=$!
+
 # expandable segments avoid the late-run OOMs from allocator fragmentation
-{ PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True} \
-  torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint=localhost:0 \
-    --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-    -m titan_draft.train "${config_args[@]}" "$@" 2>&1 1>&3 3>&- | drop_launcher_report >&2; } 3>&1
+PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True} \
+  ${own_session[@]+"${own_session[@]}"} torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d \
+    --rdzv_endpoint=localhost:0 --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+    -m titan_draft.train "${config_args[@]}" "$@" 2>&4 &
+launcher=$!
+exec 4>&-  # the filter ends when torchrun's stderr closes
+while :; do  # a trapped signal interrupts wait: wait again while the ranks save
+  interrupted= rc=0
+  wait "$launcher" || rc=$?
+  [ -n "$interrupted" ] || break
+done
+wait "$filter" 2>/dev/null || true  # its last lines
+exit "$rc"

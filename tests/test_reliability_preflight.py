@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -85,3 +89,80 @@ def test_run_train_sh_passes_log_lines_on_as_they_come(tmp_path):
     assert proc.wait(timeout=30) == 0
     (first, t1), (second, t2) = [s for s in seen if s[0] in ("first", "second")]
     assert (first, second) == ("first", "second") and t2 - t1 > 2.0, seen
+
+
+FAKE_TORCHRUN = """#!/usr/bin/env bash
+# stand-in: a launcher that fails if a stop signal reaches it, with one rank that saves and exits 0
+trap 'echo "launcher got a signal" >&2; exit 1' TERM INT
+python3 -c '
+import signal, sys, time
+def stop(*_):
+    print("rank: step finished, checkpoint saved", file=sys.stderr, flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("rank: training", file=sys.stderr, flush=True)
+time.sleep(60)
+sys.exit(3)
+' &
+rank=$!
+while kill -0 $rank 2>/dev/null; do sleep 0.1; done
+wait $rank
+"""
+
+
+@pytest.mark.parametrize("how", ["kill", "ctrl-c"])
+def test_run_train_sh_stop_signal_reaches_the_ranks_and_exits_0(tmp_path, how):
+    """SIGTERM to run_train.sh (Kubernetes, kill) or Ctrl-C (SIGINT to its whole process group)
+    reaches the ranks, not torchrun: the rank saves and exits 0, and so does the script."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "torchrun").write_text(FAKE_TORCHRUN)
+    (fake / "torchrun").chmod(0o755)
+    proc = subprocess.Popen(["./run_train.sh"], cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True, start_new_session=True,
+                            env={"PATH": f"{fake}:{sys.executable.rsplit('/', 1)[0]}:/usr/bin:/bin", "NGPU": "1",
+                                 "HOME": str(tmp_path)})
+    lines = []
+    for line in proc.stderr:
+        lines.append(line.strip())
+        if line.startswith("rank: training"):
+            break
+    if how == "kill":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+    lines += [line.strip() for line in proc.stderr]
+    assert proc.wait(timeout=30) == 0, lines
+    assert "rank: step finished, checkpoint saved" in lines, lines
+    assert "launcher got a signal" not in lines, lines
+
+
+def test_run_train_sh_sigterm_under_real_torchrun_saves_and_exits_0(tmp_path, chat_jsonl, random_target_dir):
+    """The same with torchrun and the trainer: the run stops after a step with a checkpoint,
+    the line saying where to resume, and exit status 0 (torchrun itself exits non-zero when the
+    signal reaches it)."""
+    env_path = f"{sys.executable.rsplit('/', 1)[0]}:/usr/bin:/bin"
+    dump = tmp_path / "run"
+    proc = subprocess.Popen(["./run_train.sh", *job_args(dump, chat_jsonl, random_target_dir, "--training.steps", "500",
+                                                         "--checkpoint.interval", "1000")],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True,
+                            env={"PATH": env_path, "PYTHONPATH": REPO, "NGPU": "1", "HOME": str(tmp_path)})
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(line.rstrip() for line in proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any(" step 3/500 " in line for line in list(lines)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        # without the fix torchrun outlives the script, in the script's process group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(timeout=10)
+    assert rc == 0, lines[-20:]
+    assert any("stopped by SIGTERM after step" in line and "saved" in line for line in lines), lines[-20:]
+    assert any(p.name.startswith("step-") for p in (dump / "checkpoint").iterdir())
+    assert not (dump / "export").exists()  # a half-trained draft is not exported
