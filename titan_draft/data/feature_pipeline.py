@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 from typing import Any, Optional
 
 import torch
 import torchdata.nodes as tn
 
 from titan_draft.data.feature_shards import ShardReader
+from titan_draft.data.loader_state import RankStateLoader
 from titan_draft.data.pipeline import collate_chat
 from titan_draft.data.source_node import hashed_seed
-from titan_draft.data.sources import SKIP_REASONS
 
 __all__ = ["FeatureDataLoader", "FeatureShardNode", "build_feature_dataloader", "collate_features", "rank_shards"]
 
@@ -160,72 +159,17 @@ class _Collate:
         return collate_features(samples, **self.kwargs)
 
 
-class FeatureDataLoader:
-    """Infinite, resumable iterator of feature batches for one DP rank; the same ``state_dict``
-    layout as ``ChatDataLoader`` (pickled Loader state under a per-rank key, the DP size beside)."""
+class FeatureDataLoader(RankStateLoader):
+    """Infinite, resumable iterator of feature batches for one DP rank (``RankStateLoader``: the
+    same state layout as ``ChatDataLoader``). ``rows_per_rank`` is the row count of the DP rank with
+    the fewest (every rank computes the same epoch length). A DP change is refused: each rank reads
+    whole shards in an order of its own, and moving that position is not implemented."""
+
+    _reshard_refused = ("the offline feature loader reads whole shards per rank in a shard order of each rank's "
+                        "own, and its position is not moved to another DP size")
 
     def __init__(self, loader: tn.Loader, *, dp_rank: int, dp_world: int, rows_per_rank: int):
-        self._loader = loader
-        self._it: Optional[Any] = None
-        self.dp_rank = dp_rank
-        self.dp_world = dp_world
-        self.rows_per_rank = rows_per_rank
-        """Rows of the DP rank with the fewest (every rank computes the same epoch length)."""
-
-    @property
-    def _rank_key(self) -> str:
-        return f"dp_rank_{self.dp_rank}"
-
-    def __iter__(self) -> "FeatureDataLoader":
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        if self._it is None:
-            self._it = iter(self._loader)
-        return next(self._it)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {self._rank_key: pickle.dumps(self._loader.state_dict()), "world_size": self.dp_world}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("world_size") != self.dp_world:
-            raise ValueError(
-                f"data: the dataloader state was saved with {state_dict.get('world_size')} DP "
-                f"ranks, this run has {self.dp_world}; the data order cannot be resharded"
-            )
-        if self._rank_key not in state_dict:
-            raise ValueError(f"data: the dataloader state has no entry for {self._rank_key}")
-        # a fresh Loader, as ChatDataLoader does (torchdata ignores a state loaded before iter())
-        self._loader = tn.Loader(self._loader.root)
-        self._loader.load_state_dict(pickle.loads(state_dict[self._rank_key]))
-        self._it = iter(self._loader)
-
-    @property
-    def skip_counts(self) -> dict[str, int]:
-        """Zero for every reason: unusable rows were skipped (and logged) by prepare_features."""
-        return {reason: 0 for reason in SKIP_REASONS}
-
-    @property
-    def epoch_skip_counts(self) -> dict[str, int]:
-        """Zero for every reason, as ``skip_counts`` (the chat loader's per-epoch counts)."""
-        return self.skip_counts
-
-    @property
-    def epoch(self) -> int:
-        """Epoch (0-based) of the next row this rank will read."""
-        state = _find_source_state_key(self._loader.state_dict())
-        return state["epoch"]
-
-
-def _find_source_state_key(state: Any) -> Optional[dict[str, Any]]:
-    if isinstance(state, dict):
-        if STATE_KEY in state:
-            return state[STATE_KEY]
-        for value in state.values():
-            found = _find_source_state_key(value)
-            if found is not None:
-                return found
-    return None
+        super().__init__(loader, source_key=STATE_KEY, dp_rank=dp_rank, dp_world=dp_world, rows_per_rank=rows_per_rank)
 
 
 def build_feature_dataloader(folder: str, shards: list[dict[str, Any]], *, data_cfg: Any, pad_id: int, dp_rank: int,
