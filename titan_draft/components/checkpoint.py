@@ -321,10 +321,8 @@ class CheckpointManager:
         # One decision for all ranks: on a DP change some new ranks may continue exactly and others
         # not, and a rank that went on to the model load alone would wait there forever.
         first = _first_refusal(None if refusal is None else str(refusal))
-        if refusal is not None:
-            raise refusal
-        if first is not None:
-            raise ValueError(first)
+        if first is not None:  # the lowest refusing rank's line everywhere: one line in the log
+            raise ValueError(first) from refusal
 
     def load(self, step: int = -1) -> int:
         """Restore the state from ``step`` (or ``checkpoint.load_step``, or the newest complete).

@@ -84,19 +84,26 @@ def check_data_keys(path: str, keys: dict[str, Any] | None, reset: bool) -> bool
         saved = json.load(f)
     diff = [k for k in keys if saved.get(k) != keys[k]]
     batch, saved_batch = _global_batch(keys), _global_batch(saved)
-    resplit = bool(diff) and set(diff) <= set(BATCH_SPLIT) and batch is not None and batch == saved_batch
-    if not diff or (resplit and not reset):
-        if resplit:
-            logger.info("checkpoint: %s splits its global batch of %d samples as %s, this job as %s: the step "
-                        "count resumes as a global sample count", path, batch,
-                        " x ".join(str(saved[k]) for k in BATCH_SPLIT), " x ".join(str(keys[k]) for k in BATCH_SPLIT))
+    if batch is not None and batch == saved_batch and set(diff) & set(BATCH_SPLIT):
+        # the same samples a step, split otherwise: not a change of what a step means
+        logger.info("checkpoint: %s splits its global batch of %d samples as %s (local batch x accumulation x DP), "
+                    "this job as %s: the step count resumes as a global sample count", path, batch,
+                    " x ".join(str(saved[k]) for k in BATCH_SPLIT), " x ".join(str(keys[k]) for k in BATCH_SPLIT))
+        resplit, diff = True, [k for k in diff if k not in BATCH_SPLIT]
+    else:
+        resplit = False
+    if not diff and not (resplit and reset):
         return False
+    if not diff:  # reset asked for: the data starts afresh instead of being moved to the new split
+        logger.warning("checkpoint: checkpoint.reset_data_position: resuming the weights, optimizer and step, the "
+                       "data starts from the beginning")
+        return True
     changes = ", ".join(f"{k} {_short(saved.get(k))} -> {_short(keys[k])}" for k in diff)
     if not reset:
         split_note = ""
         if set(diff) & set(BATCH_SPLIT) and saved_batch is not None:
-            split_note = (f"another DP size resumes when local_batch_size x grad_accum_steps x DP ranks (the global "
-                          f"batch) stays {saved_batch}; ")
+            split_note = (f"local_batch_size, grad_accum_steps and the DP size may change when their product (the "
+                          f"global batch) stays {saved_batch}; ")
         raise ValueError(
             f"checkpoint {path}: this job changes what its data position means ({changes}); {split_note}resume "
             f"with the saved values, or set checkpoint.reset_data_position = true to keep the weights, "
