@@ -38,9 +38,9 @@ class Tiny(nn.Module):
         return self.head(x)
 
 
-def _write_rows(path: str) -> None:
+def _write_rows(path: str, n: int = ROWS) -> None:
     with open(path, "w") as f:
-        for i in range(ROWS):
+        for i in range(n):
             f.write(json.dumps({"conversations": [{"from": "human", "value": f"q {i}"},
                                                   {"from": "gpt", "value": f"answer {i}"}]}) + "\n")
 
@@ -113,6 +113,7 @@ def _full(model, opt) -> dict:
 
 
 def _save_two(rank, port, root):
+    torch.set_num_threads(1)  # several ranks share two cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         tok, source = build_tokenizer("qwen3"), os.path.join(root, "rows.jsonl")
@@ -135,6 +136,7 @@ def _save_two(rank, port, root):
 
 
 def _resume_four(rank, port, root):
+    torch.set_num_threads(1)  # several ranks share two cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     tok, source = build_tokenizer("qwen3"), os.path.join(root, "rows.jsonl")
 
@@ -180,3 +182,64 @@ def test_two_ranks_resume_on_four(tmp_path):
     assert len({res["refusal"] for res in results}) == 1
     assert re.match(r"data: the data position saved by 2 DP ranks cannot be moved exactly to 4: with data.shuffle "
                     r".*; resume with 2 DP ranks, or set checkpoint.reset_data_position = true", results[0]["refusal"])
+
+
+# ---- the same through the real trainer (torchrun, 2 ranks, then 4 from the 2-rank step-2) ---------
+
+
+def _read_counts_at(step_dir: str) -> list[int]:
+    """How many times each row had been read by the run that saved ``step_dir`` (every rank's position)."""
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from titan_draft.data.loader_state import find_source_state
+    from titan_draft.data.reshard import read_counts
+    from titan_draft.data.source_node import STATE_KEY
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        probe: dict = {"dataloader": {"dp_world": None}}
+        dcp.load(probe, checkpoint_id=step_dir)
+        world = int(probe["dataloader"]["dp_world"])
+        probe = {"dataloader": {f"dp_rank_{r}": None for r in range(world)}}
+        dcp.load(probe, checkpoint_id=step_dir)
+    states = []
+    for r in range(world):
+        loader_state = pickle.loads(pickle.loads(probe["dataloader"][f"dp_rank_{r}"])[f"dp_rank_{r}"])
+        states.append(find_source_state(loader_state, STATE_KEY))
+    return read_counts(states, lambda n, epoch: list(range(n))).tolist()
+
+
+def _torchrun(nprocs: int, argv: list[str]) -> str:
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+           "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs), "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", "localhost:0", "-m", "titan_draft.train", *argv]
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_trainer_resumes_a_two_rank_run_on_four(tmp_path, random_target_dir):
+    import shutil
+
+    from reliability_runs import job_args
+
+    _write_rows(str(tmp_path / "rows.jsonl"), 40)
+    common = ("--data.shuffle", "false", "--training.steps", "4", "--checkpoint.interval", "2",
+              "--checkpoint.keep_latest_k", "0", "--checkpoint.export", "false", "--eval.enable", "false")
+    _torchrun(2, job_args(tmp_path / "two", str(tmp_path / "rows.jsonl"), random_target_dir, *common))
+    shutil.copytree(tmp_path / "two", tmp_path / "four", ignore=shutil.ignore_patterns("step-4"))
+    log = _torchrun(4, job_args(tmp_path / "four", str(tmp_path / "rows.jsonl"), random_target_dir, *common,
+                                "--training.local_batch_size", "1"))  # 2 x 2 = 4 x 1 samples a step
+    assert "resumed from step 2" in log
+    uninterrupted = _read_counts_at(str(tmp_path / "two" / "checkpoint" / "step-4"))
+    resumed = _read_counts_at(str(tmp_path / "four" / "checkpoint" / "step-4"))
+    assert resumed == uninterrupted == [1] * 16 + [0] * 24  # 4 steps of 4: rows 0-15, each once

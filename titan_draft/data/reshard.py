@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["reshard_position"]
+__all__ = ["read_counts", "reshard_position"]
 
 
 def _refusal(saved_world: int, new_world: int, why: str) -> ValueError:
@@ -39,7 +39,7 @@ def _refusal(saved_world: int, new_world: int, why: str) -> ValueError:
         "optimizer and step and start the data afresh")
 
 
-def _read_counts(saved: list[dict[str, Any]], order: Callable[[int, int], list[int]]) -> torch.Tensor:
+def read_counts(saved: list[dict[str, Any]], order: Callable[[int, int], list[int]]) -> torch.Tensor:
     """How many times the saved run had read each source row (index = global row)."""
     world = len(saved)
     total = sum(s["num_rows"] for s in saved)
@@ -74,7 +74,7 @@ def reshard_position(saved: list[dict[str, Any]], *, new_rank: int, new_world: i
         raise ValueError(
             f"data: the dataloader states of {world} DP ranks were saved over {total} rows ({split} per rank) but "
             f"DP rank {new_rank} of {new_world} now has {num_rows} rows (data.source / data.max_rows changed?)")
-    counts = _read_counts(saved, order)[new_rank::new_world]
+    counts = read_counts(saved, order)[new_rank::new_world]
     epoch = int(counts.min())
     if int(counts.max()) > epoch + 1:
         raise _refusal(world, new_world, (
