@@ -79,3 +79,23 @@ def test_another_split_of_the_same_global_batch_is_not_a_change(tmp_path):
     with pytest.raises(ValueError, match=r"\(data.max_length 64 -> 128\); resume with the saved values"):
         check_data_keys(str(tmp_path), {**saved, "data.max_length": 128, "data-parallel ranks": 4,
                                         "training.local_batch_size": 1}, reset=False)
+
+
+def test_a_refused_resume_is_one_line_from_the_cli(tmp_path, chat_jsonl, random_target_dir, capsys):
+    from titan_draft.cli import run_cli
+    from titan_draft.components.resume_guard import ResumeRefusedError
+
+    class Refused:
+        stop_line = None
+
+        def train(self):
+            raise ResumeRefusedError("data: the data position saved by 2 DP ranks cannot be moved exactly to 4: ...")
+
+        def close(self):
+            pass
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(lambda cfg: Refused(), job_args(tmp_path / "run", chat_jsonl, random_target_dir))
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "titan_draft: error: data: the data position saved by 2 DP ranks cannot be moved exactly to 4: ...")

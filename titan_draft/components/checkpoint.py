@@ -53,7 +53,7 @@ from titan_draft.components.checkpoint_integrity import (
     write_integrity_record,
 )
 from titan_draft.components.checkpoint_states import DataLoaderWrapper, ModelWrapper, OptimizerWrapper, TrainState
-from titan_draft.components.resume_guard import check_data_keys, write_data_keys
+from titan_draft.components.resume_guard import ResumeRefusedError, check_data_keys, write_data_keys
 from titan_draft.config.job_config import Checkpoint as CheckpointConfig
 
 logger = logging.getLogger(__name__)
@@ -322,7 +322,7 @@ class CheckpointManager:
         # not, and a rank that went on to the model load alone would wait there forever.
         first = _first_refusal(None if refusal is None else str(refusal))
         if first is not None:  # the lowest refusing rank's line everywhere: one line in the log
-            raise ValueError(first) from refusal
+            raise ResumeRefusedError(first) from refusal
 
     def load(self, step: int = -1) -> int:
         """Restore the state from ``step`` (or ``checkpoint.load_step``, or the newest complete).

@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 DATA_KEYS = "data_keys.json"
 
 
+class ResumeRefusedError(ValueError):
+    """A checkpoint that this job cannot resume as it is (its data position would mean something
+    else, or cannot move to this DP size): the CLI prints it as one line."""
+
+
 def build_data_keys(cfg, *, chat_template: str, system_prompt: str, dp_world: int) -> dict[str, Any]:
     """The job keys a data position depends on (template and system prompt as resolved)."""
     d, t = cfg.data, cfg.training
@@ -104,7 +109,7 @@ def check_data_keys(path: str, keys: dict[str, Any] | None, reset: bool) -> bool
         if set(diff) & set(BATCH_SPLIT) and saved_batch is not None:
             split_note = (f"local_batch_size, grad_accum_steps and the DP size may change when their product (the "
                           f"global batch) stays {saved_batch}; ")
-        raise ValueError(
+        raise ResumeRefusedError(
             f"checkpoint {path}: this job changes what its data position means ({changes}); {split_note}resume "
             f"with the saved values, or set checkpoint.reset_data_position = true to keep the weights, "
             f"optimizer and step and start the data from the beginning")

@@ -16,7 +16,8 @@ first ``p'`` of its epoch-``e'`` order. Then its state is ``(e', p')``. In pract
   rank's rows; a smaller one (4 -> 2) continues when the merged ranks stopped at positions that
   interleave (no rank skipped more unusable rows than its neighbours since the epoch began).
 - ``data.shuffle = true``: a rank's order is a permutation of its own rows, so another split is
-  expressible only at an epoch boundary (nothing or everything of the new rank's rows read).
+  expressible at an epoch boundary (nothing or everything of the new rank's rows read) and
+  mid-epoch only by chance (the rows read happen to start the new rank's own order).
 
 Otherwise the refusal says which rank and why. Which rows a step reads *after* the resume is
 described in docs/reliability.md (the same global rows per step as the uninterrupted run when
