@@ -1,16 +1,13 @@
 """A data position resumed on another DP size: the exact cases continue what the saved run would
-have read (checked against that run left uninterrupted), the others are refused in one line."""
+have read (checked against that run left uninterrupted), the others are refused in one line (the
+offline cache's twin is in tests/test_offline_source.py)."""
 
 import json
-import pickle
 import re
 
 import pytest
-import torch
-import torchdata.nodes as tn
 
 from titan_draft.config.job_config import Data
-from titan_draft.data.feature_pipeline import FeatureDataLoader
 from titan_draft.data.pipeline import build_dataloader
 from titan_draft.data.reshard import reshard_position
 from titan_draft.data.tokenizer import build_tokenizer
@@ -130,12 +127,3 @@ def test_reshard_position_refuses_what_one_position_cannot_express():
         reshard_position(saved, new_rank=0, new_world=1, num_rows=6, order=order, shuffled=False)
     saved[1]["position"] = 1  # ... and row 1: rows 0, 1, 2 read
     assert reshard_position(saved, new_rank=0, new_world=1, num_rows=6, order=order, shuffled=False) == (0, 3)
-
-
-def test_the_offline_loader_refuses_another_dp_size():
-    dl = FeatureDataLoader(tn.Loader(tn.IterableWrapper(range(3))), dp_rank=0, dp_world=4, rows_per_rank=3)
-    with pytest.raises(ValueError, match=r"^data: the dataloader state was saved with 2 DP ranks, this run has 4: the "
-                                         r"offline feature loader reads whole shards .*; resume with 2 DP ranks, or set "
-                                         r"checkpoint.reset_data_position = true"):
-        dl.load_state_dict({"dp_rank_0": pickle.dumps({}), "dp_rank_1": pickle.dumps({}), "world_size": 2})
-    assert torch.equal(torch.tensor(list(dl)), torch.arange(3))  # nothing was changed

@@ -11,6 +11,7 @@ recomputed from the seed on resume, and the Prefetcher snapshots the state with 
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from typing import Any, Optional
@@ -19,7 +20,8 @@ import torch
 import torchdata.nodes as tn
 
 from titan_draft.data.feature_shards import ShardReader
-from titan_draft.data.loader_state import RankStateLoader
+from titan_draft.data.feature_reshard import reshard_feature_position
+from titan_draft.data.loader_state import RankStateLoader, find_source_state, replace_source_state
 from titan_draft.data.pipeline import collate_chat
 from titan_draft.data.source_node import hashed_seed
 
@@ -63,13 +65,24 @@ class FeatureShardNode(tn.BaseNode[dict]):
         self._reader_key: Optional[tuple[int, int]] = None
         self._row_order: list[int] = []
 
+    def shard_order(self, num_shards: int, epoch: int) -> list[int]:
+        """The order a rank of ``num_shards`` shards visits them in ``epoch`` (a function of the count,
+        not of the rank, so a DP change can recompute any rank's; data/feature_reshard.py)."""
+        if not self.shuffle:
+            return list(range(num_shards))
+        g = torch.Generator().manual_seed(hashed_seed("titan_draft.features.shards", self.seed, epoch))
+        return torch.randperm(num_shards, generator=g).tolist()
+
+    def row_order(self, file: str, num_rows: int, epoch: int) -> list[int]:
+        """The order shard ``file``'s rows are read in ``epoch``, whichever rank reads it."""
+        if not self.shuffle:
+            return list(range(num_rows))
+        g = torch.Generator().manual_seed(hashed_seed(f"titan_draft.features.rows:{file}", self.seed, epoch))
+        return torch.randperm(num_rows, generator=g).tolist()
+
     def _set_epoch(self, epoch: int) -> None:
         self._epoch = epoch
-        if self.shuffle:
-            g = torch.Generator().manual_seed(hashed_seed("titan_draft.features.shards", self.seed, epoch))
-            self._shard_order = torch.randperm(len(self.shards), generator=g).tolist()
-        else:
-            self._shard_order = list(range(len(self.shards)))
+        self._shard_order = self.shard_order(len(self.shards), epoch)
 
     def reset(self, initial_state: Optional[dict[str, Any]] = None) -> None:
         super().reset(initial_state)
@@ -98,13 +111,7 @@ class FeatureShardNode(tn.BaseNode[dict]):
             if len(self._reader) != entry["rows"]:
                 raise ValueError(f"data.feature_cache: {self._reader.path} holds {len(self._reader)} rows, "
                                  f"the manifest records {entry['rows']}")
-            n = entry["rows"]
-            if self.shuffle:
-                g = torch.Generator().manual_seed(hashed_seed(f"titan_draft.features.rows:{entry['file']}",
-                                                              self.seed, self._epoch))
-                self._row_order = torch.randperm(n, generator=g).tolist()
-            else:
-                self._row_order = list(range(n))
+            self._row_order = self.row_order(entry["file"], entry["rows"], self._epoch)
             self._reader_key = key
         return self._reader
 
@@ -162,14 +169,36 @@ class _Collate:
 class FeatureDataLoader(RankStateLoader):
     """Infinite, resumable iterator of feature batches for one DP rank (``RankStateLoader``: the
     same state layout as ``ChatDataLoader``). ``rows_per_rank`` is the row count of the DP rank with
-    the fewest (every rank computes the same epoch length). A DP change is refused: each rank reads
-    whole shards in an order of its own, and moving that position is not implemented."""
+    the fewest (every rank computes the same epoch length). On a DP change it continues the saved
+    position where no row is lost or read twice (data/feature_reshard.py), and refuses otherwise.
 
-    _reshard_refused = ("the offline feature loader reads whole shards per rank in a shard order of each rank's "
-                        "own, and its position is not moved to another DP size")
+    Args:
+        source: the pipeline's ``FeatureShardNode``; ``shards``: the manifest's whole shard list.
+    """
 
-    def __init__(self, loader: tn.Loader, *, dp_rank: int, dp_world: int, rows_per_rank: int):
+    def __init__(self, loader: tn.Loader, *, dp_rank: int, dp_world: int, rows_per_rank: int,
+                 source: FeatureShardNode, shards: list[dict[str, Any]]):
         super().__init__(loader, source_key=STATE_KEY, dp_rank=dp_rank, dp_world=dp_world, rows_per_rank=rows_per_rank)
+        self._source = source
+        self._shards = shards
+
+    def _resharded(self, saved: list[dict[str, Any]]) -> dict[str, Any]:
+        sources = [find_source_state(s, STATE_KEY) for s in saved]
+        if any(s is None for s in sources):
+            raise ValueError(f"data: a saved dataloader state holds no {STATE_KEY} state")
+        files = lambda r, w: [s["file"] for s in rank_shards(self._shards, r, w)]  # noqa: E731
+        mine = files(self.dp_rank, self.dp_world)
+        epoch, shard_pos, row_pos = reshard_feature_position(
+            sources, [files(r, len(saved)) for r in range(len(saved))], mine,
+            {s["file"]: s["rows"] for s in self._shards}, new_rank=self.dp_rank, new_world=self.dp_world,
+            shard_order=self._source.shard_order, row_order=self._source.row_order, shuffled=self._source.shuffle)
+        state = copy.deepcopy(saved[0])  # the pipeline's layout around the source is the same on every rank
+        replace_source_state(state, STATE_KEY, {"epoch": epoch, "shard_pos": shard_pos, "row_pos": row_pos,
+                                                "files": mine})
+        logger.info("data: DP rank %d of %d continues the feature-cache position saved by %d DP ranks: epoch %d, "
+                    "%d of its %d shards done, %d rows into the next", self.dp_rank, self.dp_world, len(saved), epoch,
+                    shard_pos, len(mine), row_pos)
+        return state
 
 
 def build_feature_dataloader(folder: str, shards: list[dict[str, Any]], *, data_cfg: Any, pad_id: int, dp_rank: int,
@@ -197,4 +226,5 @@ def build_feature_dataloader(folder: str, shards: list[dict[str, Any]], *, data_
     if data_cfg.prefetch_factor > 0:
         # snapshot_frequency=1: a snapshot per batch, so a resume never replays or loses one.
         node = tn.Prefetcher(node, prefetch_factor=data_cfg.prefetch_factor, snapshot_frequency=1)
-    return FeatureDataLoader(tn.Loader(node), dp_rank=dp_rank, dp_world=dp_world, rows_per_rank=rows_per_rank)
+    return FeatureDataLoader(tn.Loader(node), dp_rank=dp_rank, dp_world=dp_world, rows_per_rank=rows_per_rank,
+                             source=source, shards=shards)

@@ -30,10 +30,11 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["read_counts", "reshard_position"]
+__all__ = ["read_counts", "refusal", "reshard_position"]
 
 
-def _refusal(saved_world: int, new_world: int, why: str) -> ValueError:
+def refusal(saved_world: int, new_world: int, why: str) -> ValueError:
+    """The one line that refuses a DP change, with what to do instead."""
     return ValueError(
         f"data: the data position saved by {saved_world} DP ranks cannot be moved exactly to {new_world}: {why}; "
         f"resume with {saved_world} DP ranks, or set checkpoint.reset_data_position = true to keep the weights, "
@@ -78,7 +79,7 @@ def reshard_position(saved: list[dict[str, Any]], *, new_rank: int, new_world: i
     counts = read_counts(saved, order)[new_rank::new_world]
     epoch = int(counts.min())
     if int(counts.max()) > epoch + 1:
-        raise _refusal(world, new_world, (
+        raise refusal(world, new_world, (
             f"DP rank {new_rank}'s rows were read from {epoch} to {int(counts.max())} times by the saved run "
             "(its ranks were more than an epoch apart), which one epoch position cannot express"))
     ahead = counts > epoch
@@ -91,5 +92,5 @@ def reshard_position(saved: list[dict[str, Any]], *, new_rank: int, new_world: i
         else:
             why = (f"the rows read in epoch {epoch} are not the first rows of DP rank {new_rank}'s share in "
                    "source order (the merged saved ranks had skipped different numbers of unusable rows)")
-        raise _refusal(world, new_world, why)
+        raise refusal(world, new_world, why)
     return epoch, position
