@@ -101,8 +101,9 @@ def test_with_shuffle_only_an_epoch_boundary_moves(tok, tmp_path):
     src = _source(tmp_path, 24)
     saved = _loaders(tok, src, 2, 2, shuffle=True)
     _step(saved, tok)
-    with pytest.raises(ValueError, match=r"cannot be moved exactly to 4: with data.shuffle each rank reads its own rows "
-                                         r"in an order of its own, .* exact only at an epoch boundary\); resume with 2"):
+    with pytest.raises(ValueError, match=r"cannot be moved exactly to 4: with data.shuffle each rank reads its own "
+                                         r"rows in an order of its own, .* exact only at an epoch boundary\); resume "
+                                         r"with 2"):
         _resume(tok, src, saved, 4, 1, shuffle=True)
     [_step(saved, tok) for _ in range(5)]  # both saved ranks have read their 12 rows: epoch 1 begins
     resumed = _resume(tok, src, saved, 4, 1, shuffle=True)
@@ -127,3 +128,18 @@ def test_reshard_position_refuses_what_one_position_cannot_express():
         reshard_position(saved, new_rank=0, new_world=1, num_rows=6, order=order, shuffled=False)
     saved[1]["position"] = 1  # ... and row 1: rows 0, 1, 2 read
     assert reshard_position(saved, new_rank=0, new_world=1, num_rows=6, order=order, shuffled=False) == (0, 3)
+
+
+def test_a_loader_that_cannot_move_its_position_refuses_and_keeps_its_own():
+    import pickle
+
+    import torchdata.nodes as tn
+
+    from titan_draft.data.loader_state import RankStateLoader
+
+    dl = RankStateLoader(tn.Loader(tn.IterableWrapper(range(3))), source_key="none", dp_rank=0, dp_world=4,
+                         rows_per_rank=3)
+    with pytest.raises(ValueError, match=r"^data: the dataloader state was saved with 2 DP ranks, this run has 4, and "
+                                         r"RankStateLoader cannot move its position to another DP size; resume with 2"):
+        dl.load_state_dict({"dp_rank_0": pickle.dumps({}), "dp_rank_1": pickle.dumps({}), "world_size": 2})
+    assert list(dl) == [0, 1, 2]  # untouched

@@ -95,7 +95,8 @@ class RankStateLoader:
         keys = [self._rank_key] if saved_world == self.dp_world else [f"dp_rank_{r}" for r in range(saved_world)]
         missing = [k for k in keys if k not in state_dict]
         if missing:
-            raise ValueError(f"data: the dataloader state of {saved_world} DP ranks has no entry for {', '.join(missing)}")
+            raise ValueError(
+                f"data: the dataloader state of {saved_world} DP ranks has no entry for {', '.join(missing)}")
         if saved_world == self.dp_world:
             state = pickle.loads(state_dict[self._rank_key])
         else:
@@ -107,15 +108,14 @@ class RankStateLoader:
         # Apply it now, so a state_dict() taken before the next batch returns the loaded state.
         self._it = iter(self._loader)
 
-    # why this loader cannot move its position to another DP size (a subclass that can overrides _resharded)
-    _reshard_refused = "this loader cannot move its position to another DP size"
-
     def _resharded(self, saved: list[dict[str, Any]]) -> dict[str, Any]:
-        """This rank's Loader state continuing the run whose ranks saved ``saved`` (another DP size)."""
+        """This rank's Loader state continuing the run whose ranks saved ``saved`` (another DP size);
+        a loader that can move its position overrides this refusal."""
         raise ValueError(
-            f"data: the dataloader state was saved with {len(saved)} DP ranks, this run has {self.dp_world}: "
-            f"{self._reshard_refused}; resume with {len(saved)} DP ranks, or set checkpoint.reset_data_position "
-            "= true to keep the weights, optimizer and step and start the data afresh")
+            f"data: the dataloader state was saved with {len(saved)} DP ranks, this run has {self.dp_world}, and "
+            f"{type(self).__name__} cannot move its position to another DP size; resume with {len(saved)} DP ranks, "
+            "or set checkpoint.reset_data_position = true to keep the weights, optimizer and step and start the "
+            "data afresh")
 
     def _source_state(self) -> dict[str, Any]:
         state = find_source_state(self._loader.state_dict(), self._source_key)
