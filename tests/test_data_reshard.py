@@ -143,3 +143,22 @@ def test_a_loader_that_cannot_move_its_position_refuses_and_keeps_its_own():
                                          r"RankStateLoader cannot move its position to another DP size; resume with 2"):
         dl.load_state_dict({"dp_rank_0": pickle.dumps({}), "dp_rank_1": pickle.dumps({}), "world_size": 2})
     assert list(dl) == [0, 1, 2]  # untouched
+
+
+def test_synthetic_rows_move_like_conversations(tok):
+    def loaders(world, bs):
+        cfg = Data(source="synthetic:fixed", max_length=16, max_rows=16)
+        return [build_dataloader(cfg, tok, dp_rank=r, dp_world=world, local_batch_size=bs, seed=7, static_shapes=True)
+                for r in range(world)]
+
+    def step(dls):  # the step's samples (first tokens) in global order
+        per_rank = [next(dl)["input_ids"][:, 0].tolist() for dl in dls]
+        return [per_rank[g % len(dls)][g // len(dls)] for g in range(4)]
+
+    ref = loaders(2, 2)
+    [step(ref) for _ in range(3)]
+    merged = {k: v for dl in ref for k, v in dl.state_dict().items()}
+    resumed = loaders(4, 1)
+    for dl in resumed:
+        dl.load_state_dict(merged)
+    assert [step(resumed) for _ in range(3)] == [step(ref) for _ in range(3)]
