@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -172,3 +173,46 @@ def test_other_target_refused(cache, tmp_path):
     json.dump(manifest, open(os.path.join(folder, "manifest.json"), "w"))
     err = _refused(cache["argv"] + ["--data.feature_cache", folder])
     assert err.startswith(f"target.path: {folder}/manifest.json was captured with target "), err
+
+
+def _merged(loaders):
+    return {k: v for dl in loaders for k, v in dl.state_dict().items()}
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_another_dp_size_reads_the_rest_of_the_epoch_once(cache, shuffle):
+    paths = Paths([*cache["argv"], "--training.local_batch_size", "1"])
+    rows = cache["manifest"]["rows"]
+    every_row = sorted(_row_ids(paths.offline(cache["folder"], shuffle=False), rows))
+    saved = [paths.offline(cache["folder"], shuffle=shuffle, dp_rank=r, dp_world=2) for r in range(2)]
+    read = _row_ids(saved[0], 4) + _row_ids(saved[1], 1)  # 1 shard and a row of the next; a part of one
+    for r in range(4):
+        dl = paths.offline(cache["folder"], shuffle=shuffle, dp_rank=r, dp_world=4)
+        dl.load_state_dict(_merged(saved))
+        while dl.epoch == 0:  # this rank's rest of epoch 0
+            read += next(dl)["row_ids"].tolist()
+    assert sorted(read) == every_row  # each row of the epoch exactly once
+
+
+def test_a_feature_position_that_no_new_rank_state_expresses_is_refused():
+    from titan_draft.data.feature_reshard import reshard_feature_position
+
+    rows = {"a": 2, "b": 2, "c": 2, "d": 2}
+    in_order = lambda n, epoch: list(range(n))  # noqa: E731
+    backwards_of_4 = lambda n, epoch: list(range(n))[::-1] if n == 4 else list(range(n))  # noqa: E731
+    row_order = lambda f, n, epoch: list(range(n))  # noqa: E731
+    # one saved rank (a, b, c, d) has read a and half of b; new rank 0 of 2 owns a and c
+    saved = [{"epoch": 0, "shard_pos": 1, "row_pos": 1, "files": ["a", "b", "c", "d"]}]
+    kw = dict(new_rank=0, new_world=2, row_order=row_order)
+    assert reshard_feature_position(saved, [["a", "b", "c", "d"]], ["a", "c"], rows, shard_order=in_order,
+                                    shuffled=False, **kw) == (0, 1, 0)
+    assert reshard_feature_position(saved, [["a", "b", "c", "d"]], ["b", "d"], rows, shard_order=in_order,
+                                    shuffled=False, **{**kw, "new_rank": 1}) == (0, 0, 1)
+    # visited backwards (d, c, b, a) by the saved rank it read d and half of c; new rank 0 goes a, c
+    with pytest.raises(ValueError, match=r"^data: the data position saved by 1 DP ranks cannot be moved exactly to 2: "
+                                         r"with data.shuffle each rank visits its own shards .* DP rank 0's order"):
+        reshard_feature_position(saved, [["a", "b", "c", "d"]], ["a", "c"], rows, shard_order=backwards_of_4,
+                                 shuffled=True, **kw)
+    with pytest.raises(ValueError, match=r"saved over feature shards \['a', 'b', 'c'\]\.\.\. but that rank would "
+                                         r"now read \['a', 'b'\]\.\.\.: data.feature_cache changed\?"):
+        reshard_feature_position(saved, [["a", "b"]], ["a"], rows, shard_order=in_order, shuffled=False, **kw)

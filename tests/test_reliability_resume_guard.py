@@ -58,3 +58,44 @@ def test_changed_data_keys_are_refused_or_explicitly_reset(tmp_path, chat_jsonl,
         destroy_distributed()
     # the next resume is under the new keys, so it needs no flag
     assert json.loads((tmp_path / "run" / "checkpoint" / "step-5" / DATA_KEYS).read_text())["data.max_length"] == 128
+
+
+def test_another_split_of_the_same_global_batch_is_not_a_change(tmp_path):
+    from titan_draft.components.resume_guard import check_data_keys, write_data_keys
+
+    saved = {"data.max_length": 64, "training.local_batch_size": 2, "training.grad_accum_steps": 3,
+             "data-parallel ranks": 2}
+    write_data_keys(str(tmp_path), saved)
+    # 2 x 3 x 2 = 1 x 3 x 4 = 12 samples a step: the data position is resumed (the loader moves it)
+    assert check_data_keys(str(tmp_path), {**saved, "training.local_batch_size": 1, "data-parallel ranks": 4},
+                           reset=False) is False
+    # ... unless the job asks to start the data afresh
+    assert check_data_keys(str(tmp_path), {**saved, "data-parallel ranks": 4, "training.local_batch_size": 1},
+                           reset=True) is True
+    with pytest.raises(ValueError, match=r"\(data-parallel ranks 2 -> 4\); local_batch_size, grad_accum_steps and the "
+                                         r"DP size may change when their product \(the global batch\) stays 12; "
+                                         r"resume with the saved values"):
+        check_data_keys(str(tmp_path), {**saved, "data-parallel ranks": 4}, reset=False)
+    with pytest.raises(ValueError, match=r"\(data.max_length 64 -> 128\); resume with the saved values"):
+        check_data_keys(str(tmp_path), {**saved, "data.max_length": 128, "data-parallel ranks": 4,
+                                        "training.local_batch_size": 1}, reset=False)
+
+
+def test_a_refused_resume_is_one_line_from_the_cli(tmp_path, chat_jsonl, random_target_dir, capsys):
+    from titan_draft.cli import run_cli
+    from titan_draft.components.resume_guard import ResumeRefusedError
+
+    class Refused:
+        stop_line = None
+
+        def train(self):
+            raise ResumeRefusedError("data: the data position saved by 2 DP ranks cannot be moved exactly to 4: ...")
+
+        def close(self):
+            pass
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(lambda cfg: Refused(), job_args(tmp_path / "run", chat_jsonl, random_target_dir))
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "titan_draft: error: data: the data position saved by 2 DP ranks cannot be moved exactly to 4: ...")

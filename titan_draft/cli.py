@@ -17,6 +17,7 @@ from titan_draft.components.checkpoint_errors import CheckpointSaveError
 from titan_draft.components.nonfinite import NonFiniteError
 from titan_draft.components.offline_source import check_feature_cache
 from titan_draft.components.preflight import check_job_before_loading
+from titan_draft.components.resume_guard import ResumeRefusedError
 from titan_draft.components.run_lock import RunLockError
 from titan_draft.components.target import check_target_config
 from titan_draft.config import ConfigManager, validate_job_config
@@ -24,7 +25,7 @@ from titan_draft.data.worker_errors import DataWorkerError
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.logger import init_logger, logger
 
-RUN_ERRORS = (RunLockError, NonFiniteError, DataWorkerError, CheckpointSaveError)
+RUN_ERRORS = (RunLockError, NonFiniteError, DataWorkerError, CheckpointSaveError, ResumeRefusedError)
 
 
 def _fail(e: BaseException, status: int):

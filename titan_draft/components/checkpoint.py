@@ -17,8 +17,9 @@ What is saved (top-level keys of the DCP state dict):
 - ``lr_scheduler``: the ``LambdaLR`` state (step count and lrs).
 - ``dataloader.dp_rank_{r}``: each DP rank's dataloader state (pickled), under its own key because
   DCP dedups identical keys across ranks and would keep only one. ``dataloader.dp_world`` records
-  the DP size: per-rank data positions cannot be remapped to another DP size, so such a resume is
-  refused with a clear error.
+  the DP size. A resume on another DP size reads every saved rank's entry and the dataloader moves
+  the position to the new ranks where that is exact, or refuses in one line (data/reshard.py,
+  docs/reliability.md).
 - ``train_state``: step and tokens seen.
 
 It runs in one process without a process group (DCP's "no_dist" mode) and under gloo/nccl.
@@ -52,7 +53,7 @@ from titan_draft.components.checkpoint_integrity import (
     write_integrity_record,
 )
 from titan_draft.components.checkpoint_states import DataLoaderWrapper, ModelWrapper, OptimizerWrapper, TrainState
-from titan_draft.components.resume_guard import check_data_keys, write_data_keys
+from titan_draft.components.resume_guard import ResumeRefusedError, check_data_keys, write_data_keys
 from titan_draft.config.job_config import Checkpoint as CheckpointConfig
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,15 @@ def _describe(e: BaseException) -> str:
 
 def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _first_refusal(line: str | None) -> str | None:
+    """The refusal of the lowest rank that has one, on every rank."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return line
+    lines: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(lines, line)
+    return next((x for x in lines if x is not None), None)
 
 
 def is_complete(path: str) -> bool:
@@ -271,8 +281,8 @@ class CheckpointManager:
                            self.step_folder(chosen), RECORD)
         return chosen
 
-    def _check_dp_world(self, path: str) -> None:
-        """Refuse a resume whose DP size differs from the one the dataloader state was saved with."""
+    def _saved_dp_world(self, path: str) -> int:
+        """The DP size the checkpoint's dataloader state was saved with."""
         try:
             metadata = FileSystemReader(path).read_metadata()
         except Exception as e:
@@ -286,13 +296,33 @@ class CheckpointManager:
                 dcp.load(probe, checkpoint_id=path)
         except (Exception, CheckpointException) as e:
             raise RuntimeError(f"checkpoint {path}: cannot read {key} ({_describe(e)})") from e
-        saved = int(probe[DATALOADER]["dp_world"])
+        return int(probe[DATALOADER]["dp_world"])
+
+    def _load_data_position(self, path: str, wrapper: DataLoaderWrapper) -> None:
+        """Load the dataloader state first and on its own: a position that cannot be resumed on
+        this DP size is refused before the (large) model and optimizer are read."""
+        saved = self._saved_dp_world(path)
         if saved != self.dp_world:
-            raise ValueError(
-                f"checkpoint {path} was saved with {saved} data-parallel ranks but this run has "
-                f"{self.dp_world}: each rank's data position is stored per rank and cannot be "
-                f"remapped; resume with {saved} DP ranks"
-            )
+            logger.info("checkpoint: %s was saved with %d data-parallel ranks, this run has %d: DCP reshards the "
+                        "model and optimizer, the data position is moved where that is exact", path, saved,
+                        self.dp_world)
+        wrapper.saved_world = saved
+        try:
+            with _quiet_single_process():
+                dcp.load({DATALOADER: wrapper}, checkpoint_id=path)
+        except (Exception, CheckpointException) as e:
+            wrapper.saved_world = None
+            raise RuntimeError(f"checkpoint {path}: cannot read the dataloader state ({_describe(e)})") from e
+        try:
+            wrapper.apply()
+            refusal = None
+        except ValueError as e:
+            refusal = e
+        # One decision for all ranks: on a DP change some new ranks may continue exactly and others
+        # not, and a rank that went on to the model load alone would wait there forever.
+        first = _first_refusal(None if refusal is None else str(refusal))
+        if first is not None:  # the lowest refusing rank's line everywhere: one line in the log
+            raise ResumeRefusedError(first) from refusal
 
     def load(self, step: int = -1) -> int:
         """Restore the state from ``step`` (or ``checkpoint.load_step``, or the newest complete).
@@ -309,10 +339,10 @@ class CheckpointManager:
             return 0
         path = self.step_folder(chosen)
         fresh_data = check_data_keys(path, self.data_keys, self.cfg.reset_data_position)
-        states = {k: v for k, v in self.states.items() if not (fresh_data and k == DATALOADER)}
-        if DATALOADER in states:
-            self._check_dp_world(path)
         t0 = time.perf_counter()
+        if DATALOADER in self.states and not fresh_data:
+            self._load_data_position(path, self.states[DATALOADER])
+        states = {k: v for k, v in self.states.items() if k != DATALOADER}
         try:
             with _quiet_single_process():
                 dcp.load(states, checkpoint_id=path)

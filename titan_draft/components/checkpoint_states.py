@@ -69,23 +69,57 @@ class OptimizerWrapper(Stateful):
 class DataLoaderWrapper(Stateful):
     """One DP rank's dataloader state under ``dp_rank_{r}``, plus the DP size under ``dp_world``.
 
-    The state is pickled to bytes: DCP would otherwise flatten it and drop empty containers.
+    The state is pickled to bytes: DCP would otherwise flatten it and drop empty containers. For a
+    checkpoint of another DP size (``saved_world``, set by the manager before the load) it asks DCP
+    for every saved rank's entry and hands the dataloader their states merged into one dict: a
+    dataloader state keeps each rank's part under a key of its own and the DP size under
+    ``world_size`` (data/loader_state.py), so the merge loses nothing, and the dataloader decides
+    whether its position can move to this DP size. The load itself runs in ``apply``, after DCP,
+    so that a refusal is the dataloader's own line rather than one of DCP's per-rank failures.
     """
 
     def __init__(self, dataloader: Any, dp_rank: int, dp_world: int) -> None:
         self.dataloader = dataloader
         self.dp_rank = dp_rank
         self.dp_world = dp_world
+        self.saved_world: int | None = None
+        self._loaded: Any = None
 
     @property
     def rank_key(self) -> str:
         return f"dp_rank_{self.dp_rank}"
 
+    def _load_keys(self) -> list[str]:
+        if self.saved_world is None or self.saved_world == self.dp_world:
+            return [self.rank_key]
+        return [f"dp_rank_{r}" for r in range(self.saved_world)]
+
     def state_dict(self) -> dict[str, Any]:
+        if self.saved_world is not None:  # the structure DCP loads into: the entries to read
+            return {**{k: b"" for k in self._load_keys()}, "dp_world": self.saved_world}
         return {
             self.rank_key: pickle.dumps(self.dataloader.state_dict()),
             "dp_world": self.dp_world,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.dataloader.load_state_dict(pickle.loads(state_dict[self.rank_key]))
+        self._loaded = state_dict
+
+    def apply(self) -> None:
+        """Load what DCP read into the dataloader (raises the dataloader's refusal)."""
+        loaded, self._loaded, keys = self._loaded, None, self._load_keys()
+        self.saved_world = None  # saves write this run's layout again
+        if len(keys) == 1:
+            self.dataloader.load_state_dict(pickle.loads(loaded[keys[0]]))
+            return
+        merged: dict[str, Any] = {}
+        for k in keys:
+            part = pickle.loads(loaded[k])
+            shared = sorted(set(part) & set(merged) - {"world_size"})
+            if shared:  # a loader without per-rank keys: merging would keep one rank's position
+                raise ValueError(
+                    f"data: the dataloader states of the {len(keys)} saved DP ranks share the keys {shared}, so they "
+                    f"cannot be merged to move the position to {self.dp_world} DP ranks; resume with {len(keys)} DP "
+                    "ranks, or set checkpoint.reset_data_position = true")
+            merged.update(part)
+        self.dataloader.load_state_dict(merged)

@@ -8,6 +8,10 @@ holds ``data_keys.json`` (written before DCP's files, so a complete checkpoint a
 covered by the integrity record), and a resume compares it with the job's:
 
 - equal: resume everything;
+- only the split of the global batch differs (the DP size, ``training.local_batch_size``,
+  ``training.grad_accum_steps``, their product unchanged): a step still reads as many samples, so
+  the step count is still a global sample count; the dataloader then moves the position to the
+  new DP size where that is exact, or refuses (data/reshard.py);
 - different: refuse, naming every key with its saved and its new value; or, with
   ``checkpoint.reset_data_position``, resume the weights, optimizer, lr schedule and step and start
   the data afresh (epoch 0, row 0), saying so.
@@ -23,6 +27,11 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 DATA_KEYS = "data_keys.json"
+
+
+class ResumeRefusedError(ValueError):
+    """A checkpoint that this job cannot resume as it is (its data position would mean something
+    else, or cannot move to this DP size): the CLI prints it as one line."""
 
 
 def build_data_keys(cfg, *, chat_template: str, system_prompt: str, dp_world: int) -> dict[str, Any]:
@@ -43,6 +52,15 @@ def build_data_keys(cfg, *, chat_template: str, system_prompt: str, dp_world: in
         "training.seed": t.seed,
         "data-parallel ranks": dp_world,
     }
+
+
+# The keys whose product is the global batch (samples per optimizer step).
+BATCH_SPLIT = ("training.local_batch_size", "training.grad_accum_steps", "data-parallel ranks")
+
+
+def _global_batch(keys: dict[str, Any]) -> int | None:
+    values = [keys.get(k) for k in BATCH_SPLIT]
+    return None if any(not isinstance(v, int) for v in values) else values[0] * values[1] * values[2]
 
 
 def write_data_keys(path: str, keys: dict[str, Any]) -> None:
@@ -70,13 +88,30 @@ def check_data_keys(path: str, keys: dict[str, Any] | None, reset: bool) -> bool
     with open(file) as f:
         saved = json.load(f)
     diff = [k for k in keys if saved.get(k) != keys[k]]
-    if not diff:
+    batch, saved_batch = _global_batch(keys), _global_batch(saved)
+    if batch is not None and batch == saved_batch and set(diff) & set(BATCH_SPLIT):
+        # the same samples a step, split otherwise: not a change of what a step means
+        logger.info("checkpoint: %s splits its global batch of %d samples as %s (local batch x accumulation x DP), "
+                    "this job as %s: the step count resumes as a global sample count", path, batch,
+                    " x ".join(str(saved[k]) for k in BATCH_SPLIT), " x ".join(str(keys[k]) for k in BATCH_SPLIT))
+        resplit, diff = True, [k for k in diff if k not in BATCH_SPLIT]
+    else:
+        resplit = False
+    if not diff and not (resplit and reset):
         return False
+    if not diff:  # reset asked for: the data starts afresh instead of being moved to the new split
+        logger.warning("checkpoint: checkpoint.reset_data_position: resuming the weights, optimizer and step, the "
+                       "data starts from the beginning")
+        return True
     changes = ", ".join(f"{k} {_short(saved.get(k))} -> {_short(keys[k])}" for k in diff)
     if not reset:
-        raise ValueError(
-            f"checkpoint {path}: this job changes what its data position means ({changes}); resume with "
-            f"the saved values, or set checkpoint.reset_data_position = true to keep the weights, "
+        split_note = ""
+        if set(diff) & set(BATCH_SPLIT) and saved_batch is not None:
+            split_note = (f"local_batch_size, grad_accum_steps and the DP size may change when their product (the "
+                          f"global batch) stays {saved_batch}; ")
+        raise ResumeRefusedError(
+            f"checkpoint {path}: this job changes what its data position means ({changes}); {split_note}resume "
+            f"with the saved values, or set checkpoint.reset_data_position = true to keep the weights, "
             f"optimizer and step and start the data from the beginning")
     logger.warning("checkpoint: %s; checkpoint.reset_data_position: resuming the weights, optimizer and "
                    "step, the data starts from the beginning", changes)

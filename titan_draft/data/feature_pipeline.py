@@ -11,18 +11,19 @@ recomputed from the seed on resume, and the Prefetcher snapshots the state with 
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
-import pickle
 from typing import Any, Optional
 
 import torch
 import torchdata.nodes as tn
 
 from titan_draft.data.feature_shards import ShardReader
+from titan_draft.data.feature_reshard import reshard_feature_position
+from titan_draft.data.loader_state import RankStateLoader, find_source_state, replace_source_state
 from titan_draft.data.pipeline import collate_chat
 from titan_draft.data.source_node import hashed_seed
-from titan_draft.data.sources import SKIP_REASONS
 
 __all__ = ["FeatureDataLoader", "FeatureShardNode", "build_feature_dataloader", "collate_features", "rank_shards"]
 
@@ -64,13 +65,24 @@ class FeatureShardNode(tn.BaseNode[dict]):
         self._reader_key: Optional[tuple[int, int]] = None
         self._row_order: list[int] = []
 
+    def shard_order(self, num_shards: int, epoch: int) -> list[int]:
+        """The order a rank of ``num_shards`` shards visits them in ``epoch`` (a function of the count,
+        not of the rank, so a DP change can recompute any rank's; data/feature_reshard.py)."""
+        if not self.shuffle:
+            return list(range(num_shards))
+        g = torch.Generator().manual_seed(hashed_seed("titan_draft.features.shards", self.seed, epoch))
+        return torch.randperm(num_shards, generator=g).tolist()
+
+    def row_order(self, file: str, num_rows: int, epoch: int) -> list[int]:
+        """The order shard ``file``'s rows are read in ``epoch``, whichever rank reads it."""
+        if not self.shuffle:
+            return list(range(num_rows))
+        g = torch.Generator().manual_seed(hashed_seed(f"titan_draft.features.rows:{file}", self.seed, epoch))
+        return torch.randperm(num_rows, generator=g).tolist()
+
     def _set_epoch(self, epoch: int) -> None:
         self._epoch = epoch
-        if self.shuffle:
-            g = torch.Generator().manual_seed(hashed_seed("titan_draft.features.shards", self.seed, epoch))
-            self._shard_order = torch.randperm(len(self.shards), generator=g).tolist()
-        else:
-            self._shard_order = list(range(len(self.shards)))
+        self._shard_order = self.shard_order(len(self.shards), epoch)
 
     def reset(self, initial_state: Optional[dict[str, Any]] = None) -> None:
         super().reset(initial_state)
@@ -99,13 +111,7 @@ class FeatureShardNode(tn.BaseNode[dict]):
             if len(self._reader) != entry["rows"]:
                 raise ValueError(f"data.feature_cache: {self._reader.path} holds {len(self._reader)} rows, "
                                  f"the manifest records {entry['rows']}")
-            n = entry["rows"]
-            if self.shuffle:
-                g = torch.Generator().manual_seed(hashed_seed(f"titan_draft.features.rows:{entry['file']}",
-                                                              self.seed, self._epoch))
-                self._row_order = torch.randperm(n, generator=g).tolist()
-            else:
-                self._row_order = list(range(n))
+            self._row_order = self.row_order(entry["file"], entry["rows"], self._epoch)
             self._reader_key = key
         return self._reader
 
@@ -160,72 +166,39 @@ class _Collate:
         return collate_features(samples, **self.kwargs)
 
 
-class FeatureDataLoader:
-    """Infinite, resumable iterator of feature batches for one DP rank; the same ``state_dict``
-    layout as ``ChatDataLoader`` (pickled Loader state under a per-rank key, the DP size beside)."""
+class FeatureDataLoader(RankStateLoader):
+    """Infinite, resumable iterator of feature batches for one DP rank (``RankStateLoader``: the
+    same state layout as ``ChatDataLoader``). ``rows_per_rank`` is the row count of the DP rank with
+    the fewest (every rank computes the same epoch length). On a DP change it continues the saved
+    position where no row is lost or read twice (data/feature_reshard.py), and refuses otherwise.
 
-    def __init__(self, loader: tn.Loader, *, dp_rank: int, dp_world: int, rows_per_rank: int):
-        self._loader = loader
-        self._it: Optional[Any] = None
-        self.dp_rank = dp_rank
-        self.dp_world = dp_world
-        self.rows_per_rank = rows_per_rank
-        """Rows of the DP rank with the fewest (every rank computes the same epoch length)."""
+    Args:
+        source: the pipeline's ``FeatureShardNode``; ``shards``: the manifest's whole shard list.
+    """
 
-    @property
-    def _rank_key(self) -> str:
-        return f"dp_rank_{self.dp_rank}"
+    def __init__(self, loader: tn.Loader, *, dp_rank: int, dp_world: int, rows_per_rank: int,
+                 source: FeatureShardNode, shards: list[dict[str, Any]]):
+        super().__init__(loader, source_key=STATE_KEY, dp_rank=dp_rank, dp_world=dp_world, rows_per_rank=rows_per_rank)
+        self._source = source
+        self._shards = shards
 
-    def __iter__(self) -> "FeatureDataLoader":
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        if self._it is None:
-            self._it = iter(self._loader)
-        return next(self._it)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {self._rank_key: pickle.dumps(self._loader.state_dict()), "world_size": self.dp_world}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("world_size") != self.dp_world:
-            raise ValueError(
-                f"data: the dataloader state was saved with {state_dict.get('world_size')} DP "
-                f"ranks, this run has {self.dp_world}; the data order cannot be resharded"
-            )
-        if self._rank_key not in state_dict:
-            raise ValueError(f"data: the dataloader state has no entry for {self._rank_key}")
-        # a fresh Loader, as ChatDataLoader does (torchdata ignores a state loaded before iter())
-        self._loader = tn.Loader(self._loader.root)
-        self._loader.load_state_dict(pickle.loads(state_dict[self._rank_key]))
-        self._it = iter(self._loader)
-
-    @property
-    def skip_counts(self) -> dict[str, int]:
-        """Zero for every reason: unusable rows were skipped (and logged) by prepare_features."""
-        return {reason: 0 for reason in SKIP_REASONS}
-
-    @property
-    def epoch_skip_counts(self) -> dict[str, int]:
-        """Zero for every reason, as ``skip_counts`` (the chat loader's per-epoch counts)."""
-        return self.skip_counts
-
-    @property
-    def epoch(self) -> int:
-        """Epoch (0-based) of the next row this rank will read."""
-        state = _find_source_state_key(self._loader.state_dict())
-        return state["epoch"]
-
-
-def _find_source_state_key(state: Any) -> Optional[dict[str, Any]]:
-    if isinstance(state, dict):
-        if STATE_KEY in state:
-            return state[STATE_KEY]
-        for value in state.values():
-            found = _find_source_state_key(value)
-            if found is not None:
-                return found
-    return None
+    def _resharded(self, saved: list[dict[str, Any]]) -> dict[str, Any]:
+        sources = [find_source_state(s, STATE_KEY) for s in saved]
+        if any(s is None for s in sources):
+            raise ValueError(f"data: a saved dataloader state holds no {STATE_KEY} state")
+        files = lambda r, w: [s["file"] for s in rank_shards(self._shards, r, w)]  # noqa: E731
+        mine = files(self.dp_rank, self.dp_world)
+        epoch, shard_pos, row_pos = reshard_feature_position(
+            sources, [files(r, len(saved)) for r in range(len(saved))], mine,
+            {s["file"]: s["rows"] for s in self._shards}, new_rank=self.dp_rank, new_world=self.dp_world,
+            shard_order=self._source.shard_order, row_order=self._source.row_order, shuffled=self._source.shuffle)
+        state = copy.deepcopy(saved[0])  # the pipeline's layout around the source is the same on every rank
+        replace_source_state(state, STATE_KEY, {"epoch": epoch, "shard_pos": shard_pos, "row_pos": row_pos,
+                                                "files": mine})
+        logger.info("data: DP rank %d of %d continues the feature-cache position saved by %d DP ranks: epoch %d, "
+                    "%d of its %d shards done, %d rows into the next", self.dp_rank, self.dp_world, len(saved), epoch,
+                    shard_pos, len(mine), row_pos)
+        return state
 
 
 def build_feature_dataloader(folder: str, shards: list[dict[str, Any]], *, data_cfg: Any, pad_id: int, dp_rank: int,
@@ -253,4 +226,5 @@ def build_feature_dataloader(folder: str, shards: list[dict[str, Any]], *, data_
     if data_cfg.prefetch_factor > 0:
         # snapshot_frequency=1: a snapshot per batch, so a resume never replays or loses one.
         node = tn.Prefetcher(node, prefetch_factor=data_cfg.prefetch_factor, snapshot_frequency=1)
-    return FeatureDataLoader(tn.Loader(node), dp_rank=dp_rank, dp_world=dp_world, rows_per_rank=rows_per_rank)
+    return FeatureDataLoader(tn.Loader(node), dp_rank=dp_rank, dp_world=dp_world, rows_per_rank=rows_per_rank,
+                             source=source, shards=shards)

@@ -9,16 +9,18 @@ Loader's state describes what the training loop consumed, not what the backgroun
 
 from __future__ import annotations
 
+import copy
 import logging
-import pickle
 from typing import Any, Optional
 
 import torch
 import torchdata.nodes as tn
 
 from titan_draft.data.chat_template import check_template, resolve_template
+from titan_draft.data.loader_state import RankStateLoader, find_source_state, replace_source_state
+from titan_draft.data.reshard import reshard_position
 from titan_draft.data.source_node import STATE_KEY, ChatSourceNode, Sample
-from titan_draft.data.sources import SKIP_REASONS, load_rows
+from titan_draft.data.sources import load_rows
 from titan_draft.data.synthetic_source import build_synthetic_source, is_synthetic_source
 from titan_draft.data.system_prompt import resolve_system_prompt
 from titan_draft.data.tokenizer import Tokenizer
@@ -64,103 +66,40 @@ class _Collate:
         return collate_chat(samples, **self.kwargs)
 
 
-def _find_source_state(state: Any) -> Optional[dict[str, Any]]:
-    """The ChatSourceNode state nested somewhere in a Loader state (its layout is torchdata's)."""
-    if isinstance(state, dict):
-        if STATE_KEY in state:
-            return state[STATE_KEY]
-        for value in state.values():
-            found = _find_source_state(value)
-            if found is not None:
-                return found
-    return None
-
-
-class ChatDataLoader:
-    """Infinite, resumable iterator of padded batches for one DP rank.
-
-    ``state_dict()`` follows torchtitan: the state is pickled under a per-rank key (so DCP keeps
-    every rank's copy) next to the DP world size, which must not change on resume.
+class ChatDataLoader(RankStateLoader):
+    """Infinite, resumable iterator of padded batches for one DP rank (``RankStateLoader``), over a
+    row source: conversations (``ChatSourceNode``) or synthetic rows. On a DP change it continues
+    the saved run's position where that is exact (data/reshard.py) and refuses otherwise.
 
     Args:
         loader: the Loader over the pipeline whose first node is ``source``.
-        source: the pipeline's source node (it may run ahead in the Prefetcher's thread; its
-            consumed position is read from the Loader state, never from the node itself).
+        source: the pipeline's source node.
         dp_rank, dp_world: this rank's index and the DP size.
     """
 
     def __init__(self, loader: tn.Loader, source: ChatSourceNode, *, dp_rank: int, dp_world: int,
                  worker: Optional[ForwardErrorsNode] = None):
-        self._loader = loader
-        self._worker = worker
+        super().__init__(loader, source_key=STATE_KEY, dp_rank=dp_rank, dp_world=dp_world,
+                         rows_per_rank=len(source.rows), worker=worker)
         self._source = source
-        self._it: Optional[Any] = None
-        self.dp_rank = dp_rank
-        self.dp_world = dp_world
-        self.rows_per_rank = len(source.rows)
-        """Rows this rank owns (one epoch of this rank reads each of them once)."""
 
-    @property
-    def _rank_key(self) -> str:
-        return f"dp_rank_{self.dp_rank}"
-
-    def __iter__(self) -> "ChatDataLoader":
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        if self._it is None:
-            self._it = iter(self._loader)
-        try:
-            return next(self._it)
-        except Exception:
-            if self._worker is not None and self._worker.failure is not None:
-                raise self._worker.failure  # the one-line error, not torchdata's re-wrapped copy
-            raise
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            self._rank_key: pickle.dumps(self._loader.state_dict()),
-            "world_size": self.dp_world,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict.get("world_size") != self.dp_world:
-            raise ValueError(
-                f"data: the dataloader state was saved with {state_dict.get('world_size')} DP "
-                f"ranks, this run has {self.dp_world}; the data order cannot be resharded"
-            )
-        if self._rank_key not in state_dict:
-            raise ValueError(f"data: the dataloader state has no entry for {self._rank_key}")
-        # A fresh Loader: torchdata's Loader ignores a loaded state when its state_dict() was
-        # called before any iter() (DCP does exactly that to learn the structure it loads into).
-        self._loader = tn.Loader(self._loader.root)
-        self._loader.load_state_dict(pickle.loads(state_dict[self._rank_key]))
-        # Apply it now, so a state_dict() taken before the next batch returns the loaded state.
-        self._it = iter(self._loader)
-
-    def _source_state(self) -> dict[str, Any]:
-        state = _find_source_state(self._loader.state_dict())
-        assert state is not None, "ChatSourceNode state not found in the Loader state"
+    def _resharded(self, saved: list[dict[str, Any]]) -> dict[str, Any]:
+        sources = [find_source_state(s, STATE_KEY) for s in saved]
+        if any(s is None for s in sources):
+            raise ValueError(f"data: a saved dataloader state holds no {STATE_KEY} state")
+        epoch, position = reshard_position(
+            sources, new_rank=self.dp_rank, new_world=self.dp_world, num_rows=len(self._source.rows),
+            order=self._source.epoch_order, shuffled=self._source.shuffle)
+        # Which of a saved rank's skipped rows fall to which new rank is not recorded: the counts
+        # restart (the rows themselves are exact).
+        fresh = {"epoch": epoch, "position": position, "skip_counts": {}, "epoch_skip_counts": {},
+                 "epoch_usable": 0, "num_rows": len(self._source.rows)}
+        state = copy.deepcopy(saved[0])  # the pipeline's layout around the source is the same on every rank
+        replace_source_state(state, STATE_KEY, fresh)
+        logger.info("data: DP rank %d of %d continues the position saved by %d DP ranks exactly: epoch %d, %d of "
+                    "its %d rows read (skip counts restart at zero)", self.dp_rank, self.dp_world, len(saved),
+                    epoch, position, len(self._source.rows))
         return state
-
-    @property
-    def skip_counts(self) -> dict[str, int]:
-        """Rows skipped so far per reason (every reason, zeros included, so logged series are
-        stable), up to the last batch handed out; cumulative over epochs."""
-        counts = self._source_state()["skip_counts"]
-        return {reason: counts.get(reason, 0) for reason in SKIP_REASONS}
-
-    @property
-    def epoch_skip_counts(self) -> dict[str, int]:
-        """Rows skipped per reason in the current epoch (up to the last batch handed out): what a
-        pass over the data really rejects, not counted again each time a bad row comes round."""
-        counts = self._source_state().get("epoch_skip_counts", {})
-        return {reason: counts.get(reason, 0) for reason in SKIP_REASONS}
-
-    @property
-    def epoch(self) -> int:
-        """Epoch (0-based) of the next row this rank will read."""
-        return self._source_state()["epoch"]
 
 
 def build_dataloader(

@@ -18,13 +18,13 @@ from titan_draft.data.sources import normalize_row
 from titan_draft.data.tokenizer import Tokenizer
 from titan_draft.data.worker_errors import row_error
 
-__all__ = ["ChatSourceNode", "Sample", "STATE_KEY"]
+__all__ = ["ChatSourceNode", "Sample", "STATE_KEY", "epoch_order"]
 
 logger = logging.getLogger(__name__)
 
 Sample = tuple[list[int], list[bool]]
 
-# Key that marks this node's state inside the nested Loader state (see pipeline._find_source_state).
+# Key that marks this node's state inside the nested Loader state (see loader_state.find_source_state).
 STATE_KEY = "chat_source"
 
 
@@ -35,6 +35,16 @@ def hashed_seed(namespace: str, seed: int, index: int) -> int:
     and ``namespace`` keeps the streams of different users apart."""
     digest = hashlib.sha256(f"{namespace}:{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """The order in which a rank of ``num_rows`` rows reads them in ``epoch``: a permutation seeded
+    by ``(seed, epoch)``, or source order. A function of the row count, not of the rank, so a DP
+    change can recompute the order any rank, old or new, reads (data/reshard.py)."""
+    if not shuffle:
+        return list(range(num_rows))
+    g = torch.Generator().manual_seed(hashed_seed("titan_draft.data", seed, epoch))
+    return torch.randperm(num_rows, generator=g).tolist()
 
 
 def check_saved_row_count(state: dict[str, Any], num_rows: int, source: str, hint: str) -> None:
@@ -108,11 +118,11 @@ class ChatSourceNode(tn.BaseNode[Sample]):
 
     def _set_epoch(self, epoch: int) -> None:
         self._epoch = epoch
-        if self.shuffle:
-            g = torch.Generator().manual_seed(hashed_seed("titan_draft.data", self.seed, epoch))
-            self._order = torch.randperm(len(self.rows), generator=g).tolist()
-        else:
-            self._order = list(range(len(self.rows)))
+        self._order = self.epoch_order(len(self.rows), epoch)
+
+    def epoch_order(self, num_rows: int, epoch: int) -> list[int]:
+        """The order a rank of ``num_rows`` rows of this source reads them in ``epoch``."""
+        return epoch_order(num_rows, self.seed, epoch, self.shuffle)
 
     def reset(self, initial_state: Optional[dict[str, Any]] = None) -> None:
         super().reset(initial_state)

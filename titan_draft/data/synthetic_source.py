@@ -99,6 +99,12 @@ class SyntheticSourceNode(tn.BaseNode[Sample]):
         self._epoch = 0
         self._position = 0
 
+    shuffle = False  # every epoch reads the rows in index order
+
+    def epoch_order(self, num_rows: int, epoch: int) -> list[int]:
+        """The order a rank of ``num_rows`` synthetic rows reads them in any epoch: index order."""
+        return list(range(num_rows))
+
     def reset(self, initial_state: Optional[dict[str, Any]] = None) -> None:
         super().reset(initial_state)
         if initial_state is None:
