@@ -34,6 +34,7 @@ from titan_draft.components.resume_guard import build_data_keys
 from titan_draft.components.run_info import build_run_info
 from titan_draft.components.run_lock import maybe_acquire_run_lock
 from titan_draft.components.signals import maybe_handle_stop_signals
+from titan_draft.components.validation import Validator
 from titan_draft.components.target import build_target, build_target_tokenizer
 from titan_draft.config import write_job_config
 from titan_draft.config.job_config import JobConfig
@@ -154,6 +155,8 @@ class Trainer:
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device.type)
         self.evaluator = Evaluator(cfg, self.spec, self.model_args, self.target.model, self.tokenizer, self.device,
                                    reserved_ids=self.reserved_tokens)
+        self.validator = Validator(cfg, self.tokenizer, self.device, dp_rank=self.dp_rank, dp_world=self.dp_world,
+                                   reserved_ids=frozenset(self.reserved_tokens), pad_multiple=pad_multiple)
         self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device)) if on_gpu else None
 
         self.run_info = build_run_info(self, target_dtype=target_dtype, template=template, n_params=n_params,
@@ -359,7 +362,10 @@ class Trainer:
         logger.warning(self.stop_line)
 
     def _maybe_eval(self, step: int, out: dict) -> None:
-        """The true τ (real speculative decoding) at eval steps, beside the simulated one."""
+        """The held-out figures at validation steps; the true τ (real speculative decoding) at
+        eval steps, beside the simulated one."""
+        if self.validator.should_run(step, self.total_steps):
+            self.metrics.add_scalars(step, self.validator.run(self.model, self.features_fn, step))
         if not self.evaluator.should_run(step, self.total_steps):
             return
         report = self.evaluator.run(self.model, step, self.dist.rank == 0)

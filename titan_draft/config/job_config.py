@@ -292,6 +292,20 @@ class Eval:
 
 
 @dataclass
+class Validation:
+    enable: bool = False
+    """Every `freq` steps and at the end, the draft's loss, accuracy and simulated accept_len on
+    the data.holdout_rows held-out rows (no gradient; TensorBoard val/*): the training-time
+    proxy measured on rows the draft never trains on, beside the same figures on training batches
+    (which rows seen several times push up)."""
+    freq: int = 0
+    """Optimizer steps between validations (0: only at the end)."""
+    steps: int = 8
+    """Batches of training.local_batch_size held-out rows per rank in each validation (the same
+    batches every time, so the values form a curve)."""
+
+
+@dataclass
 class Comm:
     init_timeout_seconds: int = 600
     """Timeout of process-group initialization and the first collectives."""
@@ -316,4 +330,5 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     eval: Eval = field(default_factory=Eval)
+    validation: Validation = field(default_factory=Validation)
     comm: Comm = field(default_factory=Comm)

@@ -40,7 +40,7 @@ _MINIMUM = {
     "profiling.profile_warmup": 0, "comm.init_timeout_seconds": 1, "comm.train_timeout_seconds": 1,
     "target.seed": 0, "data.holdout_rows": 0, "eval.interval": 0, "eval.num_prompts": 0,
     "eval.max_new_tokens": 1, "eval.max_prompt_tokens": 0,
-    "training.nonfinite_max_skips": 1,
+    "training.nonfinite_max_skips": 1, "validation.freq": 0, "validation.steps": 1,
 }
 
 
@@ -73,6 +73,12 @@ def validate_job_config(cfg: JobConfig, log: logging.Logger | None = None) -> li
     layers = cfg.target.capture_layers
     if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
         errors.append(f"target.capture_layers = {layers} must be distinct non-negative layer ids")
+
+    if cfg.validation.enable and cfg.data.holdout_rows <= 0:
+        errors.append("validation.enable needs held-out rows to validate on: set data.holdout_rows > 0")
+    if cfg.validation.enable and cfg.data.feature_cache:
+        errors.append("validation.enable is not available with data.feature_cache (held-out rows are read "
+                      "from data.source and need the target online)")
 
     static = cfg.training.static_shapes
     if cfg.float8.enable and static and cfg.data.max_length % 16 != 0:
