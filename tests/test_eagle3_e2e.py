@@ -16,7 +16,7 @@ from titan_draft.config import ConfigManager
 from titan_draft.data.pipeline import epoch_samples
 from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.eval import main as eval_main
-from trainer_runs import debug_job_argv, run_training
+from trainer_runs import check_exact_resume, debug_job_argv, run_training
 
 BAD_FRAGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp", "embed", "target_lm_head")
 _args = partial(debug_job_argv, "eagle3")  # (dump, target, data, *extra)
@@ -24,13 +24,7 @@ _args = partial(debug_job_argv, "eagle3")  # (dump, target, data, *extra)
 
 def test_trains_resumes_exports_and_decodes(tmp_path, random_target_dir, chat_jsonl):
     common = ("--training.steps", "6", "--checkpoint.interval", "3")
-    full = run_training(_args(tmp_path / "full", random_target_dir, chat_jsonl, *common))
-    with pytest.raises(KeyboardInterrupt):
-        run_training(_args(tmp_path / "killed", random_target_dir, chat_jsonl, *common), crash_after_step=3)
-    resumed = run_training(_args(tmp_path / "killed", random_target_dir, chat_jsonl, *common))
-    assert sorted(resumed) == [4, 5, 6]
-    for step in (4, 5, 6):
-        assert resumed[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), step
+    full = check_exact_resume(lambda dump: _args(dump, random_target_dir, chat_jsonl, *common), tmp_path)
 
     # the vocabulary pass counted every usable row's loss tokens, as training renders them
     cfg = ConfigManager().parse_args(_args(tmp_path, random_target_dir, chat_jsonl))

@@ -1,9 +1,13 @@
 """Running the real Trainer from a test: a draft's debug job as argv, run to the end or killed
-right after a checkpoint."""
+right after a checkpoint, and the kill-and-resume check every draft's e2e test makes."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Callable
+
+import pytest
 
 from titan_draft.config import ConfigManager
 from titan_draft.distributed.utils import destroy_distributed
@@ -51,3 +55,21 @@ def run_training(argv: list[str], crash_after_step: int | None = None,
         trainer.close()
         if not keep_process_group:
             destroy_distributed()
+
+
+def check_exact_resume(argv_of: Callable[[Path], list[str]], root: Path, kill_after: int = 3,
+                       before_resume: Callable[[Path], None] | None = None) -> dict[int, float]:
+    """Train ``argv_of(root / "full")`` to the end; train ``argv_of(root / "killed")``, killed right
+    after saving step ``kill_after``, then again (``before_resume(root / "killed")`` in between):
+    the resumed run must log exactly the remaining steps, each with the uninterrupted run's loss.
+    Returns the uninterrupted run's losses."""
+    full = run_training(argv_of(root / "full"))
+    with pytest.raises(KeyboardInterrupt):
+        run_training(argv_of(root / "killed"), crash_after_step=kill_after)
+    if before_resume is not None:
+        before_resume(root / "killed")
+    resumed = run_training(argv_of(root / "killed"))
+    assert sorted(resumed) == list(range(kill_after + 1, max(full) + 1)), sorted(resumed)
+    for step in resumed:
+        assert resumed[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), step
+    return full
