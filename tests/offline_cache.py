@@ -3,8 +3,6 @@ the same rows through the online target and through the cache."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from scripts.prepare_features import prepare
@@ -15,11 +13,7 @@ from titan_draft.data.pipeline import build_dataloader
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.protocols import get_model_spec
 from titan_draft.train import resolve_model_args
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# Draft -> its debug job. A draft registered without an entry here uses train_configs/<name>_debug.toml.
-DEBUG_CONFIGS = {"dflash2": "debug_random.toml", "eagle3": "eagle3_debug.toml"}
+from trainer_runs import REPO, debug_job_argv  # noqa: F401  (REPO: the tests import it from here)
 
 
 def registered_drafts() -> list[str]:
@@ -31,19 +25,11 @@ def registered_drafts() -> list[str]:
     return sorted(n for n, s in model_spec._REGISTRY.items() if s.model_cls.__module__.startswith("models."))
 
 
-def debug_config(draft: str) -> str:
-    path = os.path.join(REPO, "train_configs", DEBUG_CONFIGS.get(draft, f"{draft}_debug.toml"))
-    assert os.path.isfile(path), f"no debug job for draft {draft!r}: add it to tests/offline_cache.DEBUG_CONFIGS"
-    return path
-
-
 def job_argv(draft: str, dump, target: str, data: str, *extra: str) -> list[str]:
     """A small, fast, unshuffled job of ``draft``'s debug config (no checkpoints, no export)."""
-    return ["--job.config_file", debug_config(draft), "--job.dump_folder", str(dump), "--target.path", target,
-            "--data.source", data, "--data.max_length", "48", "--data.max_rows", "20", "--data.shuffle", "false",
-            "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-            "--profiling.enable_profiling", "false", "--checkpoint.enable", "false", "--checkpoint.export", "false",
-            "--eval.enable", "false", *extra]
+    return debug_job_argv(draft, dump, target, data, "--data.max_rows", "20", "--data.shuffle", "false",
+                          "--training.local_batch_size", "2", "--checkpoint.enable", "false",
+                          "--checkpoint.export", "false", "--eval.enable", "false", *extra, max_length=48)
 
 
 def prepare_cache(out, argv: list[str], *options: str) -> dict:

@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from trainer_runs import REPO, debug_job_argv  # noqa: F401  (REPO: the tests import it from here)
 
 
 def job_args(dump, data: str, target: str, *extra: str) -> list[str]:
     """The debug_random job shrunk to seconds: short rows, no TensorBoard, no profiler."""
-    return [
-        "--job.config_file", os.path.join(REPO, "train_configs", "debug_random.toml"),
-        "--job.dump_folder", str(dump),
-        "--target.path", target,
-        "--data.source", data,
-        "--data.max_length", "64",
-        "--data.max_rows", "0",
-        "--training.local_batch_size", "2",
-        "--metrics.log_freq", "1",
-        "--metrics.enable_tensorboard", "false",
-        "--profiling.enable_profiling", "false",
-        *extra,
-    ]
+    return debug_job_argv("dflash2", dump, target, data, "--data.max_rows", "0", "--training.local_batch_size", "2",
+                          *extra, max_length=64)
 
 
 def poison_features(monkeypatch, trainer, steps) -> None:

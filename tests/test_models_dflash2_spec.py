@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torch import nn
 
+from block_flops import attention_flops, linear_flops
 from models.dflash2 import (
     DFlash2Draft,
     capture_layers,
@@ -157,14 +157,6 @@ def test_capture_layers_rule():
         capture_layers(replace(a, target_layer_ids=[0, 6]), 6)
 
 
-def _linear_rows(name: str, seq: int, rows: int) -> int:
-    if name == "fc":
-        return seq
-    if name.endswith(("k_proj", "v_proj")):
-        return seq + rows
-    return rows
-
-
 @pytest.mark.parametrize("flavor", ["debugmodel", "dflash_debugmodel"])
 def test_flops_counts_every_trainable_linear(flavor):
     args = replace(dflash2_flavors[flavor], target_layer_ids=[1, 3])
@@ -172,24 +164,9 @@ def test_flops_counts_every_trainable_linear(flavor):
     with torch.device("meta"):
         model = DFlash2Draft(args)
     rows = args.num_anchors * args.block_size
-    # independent count from the instantiated modules
-    linear = sum(
-        6 * _linear_rows(name, seq, rows) * m.in_features * m.out_features
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear)
-    )
     lm_head = 4 * args.num_anchors * (args.block_size - 1) * args.hidden_size * args.vocab_size
-    attn = (
-        12
-        * rows
-        * (seq / 2 + args.block_size)
-        * args.num_attention_heads
-        * args.head_dim
-        * args.num_layers
-    )
-    assert dflash2_flops(args, bsz, seq) == pytest.approx(
-        bsz * (linear + lm_head + attn), rel=1e-12
-    )
+    want = linear_flops(model, seq, rows) + lm_head + attention_flops(args, seq, rows)
+    assert dflash2_flops(args, bsz, seq) == pytest.approx(bsz * want, rel=1e-12)
 
 
 def test_registry_and_flavors():

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from block_flops import attention_flops, linear_flops
 from models.dspark import DSparkDraft, dspark_flavors, dspark_flops, export_dspark
 from models.dspark.export import dspark_from_export, expected_shapes
 from titan_draft.protocols import get_model_spec
@@ -107,14 +108,6 @@ def test_export_refuses_incomplete_or_foreign_drafts():
         dspark_from_export(no_conf, config)
 
 
-def _linear_rows(name: str, seq: int, rows: int) -> int:
-    if name == "fc":
-        return seq
-    if name.endswith(("k_proj", "v_proj")):
-        return seq + rows
-    return rows
-
-
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
 def test_flops_count_every_trainable_linear(kind):
     """6 * rows * in * out of every trainable Linear found on the module (plus the frozen tables and
@@ -123,11 +116,9 @@ def test_flops_count_every_trainable_linear(kind):
     bsz, seq = 3, 40
     rows = args.num_anchors * args.block_size
     model = DSparkDraft(args)
-    linear = sum(6 * _linear_rows(n, seq, rows) * m.in_features * m.out_features
-                 for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
-    h, v = args.hidden_size, args.vocab_size
-    attn = 3 * 4 * rows * (seq / 2 + args.block_size) * args.num_attention_heads * args.head_dim * args.num_layers
-    assert dspark_flops(args, bsz, seq) == pytest.approx(bsz * (linear + 6 * rows * h * v + attn))
+    lm_head = 6 * rows * args.hidden_size * args.vocab_size
+    want = linear_flops(model, seq, rows) + lm_head + attention_flops(args, seq, rows)
+    assert dspark_flops(args, bsz, seq) == pytest.approx(bsz * want)
 
 
 @pytest.mark.parametrize("name", ["dspark_debug", "dspark_qwen3_8b", "dspark_smollm2"])

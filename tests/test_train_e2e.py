@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,9 +13,9 @@ from titan_draft.components.export import load_export
 from titan_draft.config import ConfigManager
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.train import Trainer
+from trainer_runs import check_exact_resume, debug_job_argv
 from trainer_runs import run_training as _run
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BAD_FRAGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp", "embed", "lm_head")
 
 
@@ -31,19 +29,8 @@ def _target(random_target_dir):
 
 
 def _args(dump, data, *extra):
-    return [
-        "--job.config_file", os.path.join(REPO, "train_configs", "debug_random.toml"),
-        "--job.dump_folder", str(dump),
-        "--target.path", _TARGET[0],
-        "--data.source", data,
-        "--data.max_length", "128",
-        "--data.max_rows", "0",
-        "--training.local_batch_size", "2",
-        "--metrics.log_freq", "1",
-        "--metrics.enable_tensorboard", "false",
-        "--profiling.enable_profiling", "false",
-        *extra,
-    ]
+    return debug_job_argv("dflash2", dump, _TARGET[0], data, "--data.max_rows", "0", "--training.local_batch_size", "2",
+                          *extra, max_length=128)
 
 
 def test_debug_job_learns_and_exports(tmp_path, chat_jsonl):
@@ -81,50 +68,9 @@ def test_debug_job_learns_and_exports(tmp_path, chat_jsonl):
 
 def test_resume_matches_uninterrupted(tmp_path, chat_jsonl):
     common = ("--training.steps", "6", "--checkpoint.interval", "3", "--data.prefetch_factor", "2")
-    full = _run(_args(tmp_path / "full", chat_jsonl, *common))
-    with pytest.raises(KeyboardInterrupt):
-        _run(_args(tmp_path / "killed", chat_jsonl, *common), crash_after_step=3)
     # a half-written newer checkpoint (no .metadata) must be skipped, not loaded
-    os.makedirs(tmp_path / "killed" / "checkpoint" / "step-5")
-    resumed = _run(_args(tmp_path / "killed", chat_jsonl, *common))
-    assert sorted(resumed) == [4, 5, 6]
-    for step in (4, 5, 6):
-        assert resumed[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), step
-
-
-@pytest.mark.slow
-def test_two_rank_gloo_float8_compile_fsdp(tmp_path, chat_jsonl):
-    """2 CPU ranks: float8 + per-block compile + FSDP2 trains; checkpoint and export keys are clean."""
-    argv = _args(
-        tmp_path, chat_jsonl,
-        "--training.steps", "3", "--checkpoint.interval", "3",
-        "--compile.enable", "true", "--float8.enable", "true",
-    )
-    # faulthandler: a native abort in a rank prints its Python stacks into the captured stderr
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "-m", "titan_draft.train", *argv]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    info = json.loads((tmp_path / "run_info.json").read_text())
-    assert info["world_size"] == 2 and info["compile"] is True and info["float8"]
-    # the trainer converts before parallelize_fn: every block Linear (2 layers x q k v o, gate up
-    # down, two conv kernel projections), never the Linears the draft keeps in high precision
-    f8 = info["float8"]
-    assert f8["converted"] == 18, f8
-    assert f8["skipped"]["fc"].startswith("kept in high precision")
-    assert f8["skipped"]["candidate_selector.hidden_projection"].startswith("kept in high precision")
-
-    from torch.distributed.checkpoint import FileSystemReader
-
-    keys = list(FileSystemReader(str(tmp_path / "checkpoint" / "step-3")).read_metadata().state_dict_metadata)
-    model_keys = [k for k in keys if k.startswith("model.") or k.startswith("layers.") or ".weight" in k]
-    assert model_keys, keys
-    assert all(not any(b in k for b in BAD_FRAGMENTS) for k in keys), [k for k in keys if any(b in k for b in BAD_FRAGMENTS)]
-    assert any("dp_rank_1" in k for k in keys) and any("dp_rank_0" in k for k in keys)
-    tensors, _ = load_export(str(tmp_path / "export"))
-    assert all(not any(b in k for b in BAD_FRAGMENTS) for k in tensors)
-    assert all(t.dtype == torch.bfloat16 for t in tensors.values() if t.is_floating_point())
+    check_exact_resume(lambda dump: _args(dump, chat_jsonl, *common), tmp_path,
+                       before_resume=lambda dump: os.makedirs(dump / "checkpoint" / "step-5"))
 
 
 def test_accumulation_divides_by_the_global_denominator(tmp_path, chat_jsonl):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from models.common.serving import check_serving_tensors
 from models.eagle3.args import Eagle3Args
 
 
@@ -35,14 +36,7 @@ def expected_shapes(args: Eagle3Args) -> dict[str, tuple[int, ...]]:
 
 
 def _check(tensors: dict[str, torch.Tensor], args: Eagle3Args, where: str) -> None:
-    shapes = expected_shapes(args)
-    missing, unexpected = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
-    if missing or unexpected:
-        raise KeyError(f"{where}: missing keys {missing}, unexpected keys {unexpected}")
-    wrong = [f"{k}: {tuple(tensors[k].shape)} != {shapes[k]}" for k in sorted(shapes)
-             if tuple(tensors[k].shape) != shapes[k]]
-    if wrong:
-        raise ValueError(f"{where}: shape mismatch: {wrong}")
+    check_serving_tensors(tensors, expected_shapes(args), where)
     if tensors["d2t"].dtype != torch.int64 or tensors["t2d"].dtype != torch.bool:
         raise ValueError(f"{where}: d2t must be int64 and t2d bool")
 
