@@ -5,9 +5,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import time
 
 import pytest
+
+# A shell that starts a command in the background without job control (nohup, `cmd &` in a
+# script, some CI runners) hands it SIGINT ignored, and then neither Python's Ctrl-C handler nor
+# a bash trap can be installed in what it starts. The signal tests are about a terminal's
+# Ctrl-C, so give the tests (and their subprocesses) the disposition a terminal gives.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
