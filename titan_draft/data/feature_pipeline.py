@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -156,16 +157,6 @@ def collate_features(samples: list[dict], *, pad_id: int, max_length: int, stati
     return batch
 
 
-class _Collate:
-    """Picklable partial of ``collate_features``."""
-
-    def __init__(self, **kwargs: Any):
-        self.kwargs = kwargs
-
-    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        return collate_features(samples, **self.kwargs)
-
-
 class FeatureDataLoader(RankStateLoader):
     """Infinite, resumable iterator of feature batches for one DP rank (``RankStateLoader``: the
     same state layout as ``ChatDataLoader``). ``rows_per_rank`` is the row count of the DP rank with
@@ -219,8 +210,8 @@ def build_feature_dataloader(folder: str, shards: list[dict[str, Any]], *, data_
     source = FeatureShardNode(folder, mine, layer_ids=layer_ids, need_last_hidden=need_last_hidden, seed=seed,
                               shuffle=data_cfg.shuffle)
     node: tn.BaseNode = tn.Batcher(source, batch_size=local_batch_size, drop_last=True)
-    node = tn.Mapper(node, _Collate(pad_id=pad_id, max_length=data_cfg.max_length, static_shapes=static_shapes,
-                                    pad_multiple=pad_multiple))
+    node = tn.Mapper(node, partial(collate_features, pad_id=pad_id, max_length=data_cfg.max_length,
+                                   static_shapes=static_shapes, pad_multiple=pad_multiple))
     if pin_memory:
         node = tn.PinMemory(node)
     if data_cfg.prefetch_factor > 0:

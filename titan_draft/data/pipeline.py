@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -54,16 +55,6 @@ def collate_chat(
         "loss_mask": loss_mask,
         "valid_lengths": torch.tensor(lengths, dtype=torch.long),
     }
-
-
-class _Collate:
-    """Picklable partial of ``collate_chat``."""
-
-    def __init__(self, **kwargs: Any):
-        self.kwargs = kwargs
-
-    def __call__(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
-        return collate_chat(samples, **self.kwargs)
 
 
 class ChatDataLoader(RankStateLoader):
@@ -155,7 +146,8 @@ def build_dataloader(
                               static_shapes=static_shapes, reserved_ids=reserved_ids,
                               warn_below_rows=warn_below_rows)
     node: tn.BaseNode = tn.Batcher(source, batch_size=local_batch_size, drop_last=True)
-    collate = _Collate(
+    collate = partial(
+        collate_chat,
         pad_id=tokenizer.pad_id,
         max_length=data_cfg.max_length,
         static_shapes=static_shapes,
