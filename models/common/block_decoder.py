@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from titan_draft.components.cuda_graphs import capture_graph
+
 # Context slots are reserved in multiples of this (a larger reservation re-captures the graph).
 SLOT_ROUNDING = 256
 
@@ -120,18 +122,7 @@ class BlockDecoder:
         if not self.graphs:
             return propose()
         if self._graph is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    propose()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # a fresh pool per capture: capturing into a pool whose graphs are gone trips the
-            # caching allocator
-            with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local"):
-                out = propose()
-            self._graph = (graph, out)
+            self._graph = capture_graph(propose)
         graph, out = self._graph
         graph.replay()
         return out.clone()

@@ -76,23 +76,35 @@ class GraphedDecoder:
         return replace(out, logits=_clone(out.logits), aux=_clone(out.aux), last_hidden=_clone(out.last_hidden))
 
     def _capture(self, input_ids, layer_ids, need_last_hidden, logits) -> _Captured:
-        """Warm up on a side stream, then capture. The runs write keys into the slots the real
-        call is about to write (so nothing committed is touched) and the length is put back
-        after each."""
+        """The runs write keys into the slots the real call is about to write (so nothing
+        committed is touched) and the length is put back after each."""
         cache, start = self.cache, self.cache.length
         inputs = input_ids.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.target(inputs, layer_ids, need_last_hidden, cache=cache, logits=logits)
-                cache.set_length(start)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self.target(inputs, layer_ids, need_last_hidden, cache=cache, logits=logits)
-        cache.set_length(start)
+        graph, out = capture_graph(
+            lambda: self.target(inputs, layer_ids, need_last_hidden, cache=cache, logits=logits),
+            pool=self._pool, after_each=lambda: cache.set_length(start))
         return _Captured(graph, inputs, out, input_ids.shape[1])
+
+
+def capture_graph(fn, *, pool=None, after_each=None):
+    """``(graph, outputs)`` of ``fn()`` captured as a CUDA graph: two warm-up runs on a side
+    stream first (lazy initializations must not happen inside the capture), ``after_each`` after
+    every run (e.g. undoing what a run advanced). ``pool``: a memory pool shared with other graphs
+    (None: a fresh one, as capturing into a pool whose graphs are gone trips the allocator)."""
+    after_each = after_each or (lambda: None)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+            after_each()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool if pool is not None else torch.cuda.graph_pool_handle(),
+                          capture_error_mode="thread_local"):
+        out = fn()
+    after_each()
+    return graph, out
 
 
 def can_graph(target, device: torch.device) -> str | None:
