@@ -18,7 +18,7 @@ from titan_draft.components.checkpoint import CheckpointManager, TrainState
 from titan_draft.components.export import export_draft, exported_step
 from titan_draft.components.float8 import Float8Converter
 from titan_draft.components.lr_scheduler import build_lr_scheduler
-from titan_draft.components.metrics import LogWindow, MetricsLogger, get_peak_flops
+from titan_draft.components.metrics import LogWindow, MetricsLogger, get_peak_flops, metric_ratios
 from titan_draft.components.model_args import resolve_model_args
 from titan_draft.components.nonfinite import build_nonfinite_guard
 from titan_draft.components.offline_source import (
@@ -291,9 +291,7 @@ class Trainer:
                         "step_time_s": elapsed / window.steps,
                         "data_wait_s": window.data_wait / window.steps,
                     }
-                    for i, name in enumerate(out["names"]):
-                        num, den = flat[2 + 2 * i], flat[3 + 2 * i]
-                        scalars[name] = num / den if den > 0 else 0.0
+                    scalars.update(metric_ratios(flat, out["names"]))
                     if self.peak_flops and self.spec.flops_fn is not None:
                         b0 = micro_batches[0]["input_ids"]
                         flops = self.spec.flops_fn(self.model_args, b0.shape[0], b0.shape[1]) * accum
@@ -371,9 +369,7 @@ class Trainer:
         report = self.evaluator.run(self.model, step, self.dist.rank == 0)
         scalars = report_scalars(report)
         if "accept_len" in out["names"]:
-            i = 2 + 2 * out["names"].index("accept_len")
-            num, den = out["flat"][i].item(), out["flat"][i + 1].item()
-            scalars["eval/simulated_accept_len"] = num / den if den > 0 else 0.0
+            scalars["eval/simulated_accept_len"] = metric_ratios(out["flat"].tolist(), out["names"])["accept_len"]
         self.metrics.add_scalars(step, scalars)
 
     def _release_lock(self) -> None:

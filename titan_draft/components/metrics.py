@@ -48,6 +48,17 @@ _PEAK_BF16_FLOPS: list[tuple[str, float]] = [
 ]
 
 
+def metric_ratios(flat: list[float], names: list[str]) -> dict[str, float]:
+    """``{name: numerator / denominator}`` of a step's reduced sums ``flat = [loss_sum,
+    loss_denominator, num_0, den_0, num_1, den_1, ...]`` (metrics in ``names`` order; an empty
+    denominator gives 0)."""
+    out = {}
+    for i, name in enumerate(names):
+        num, den = flat[2 + 2 * i], flat[3 + 2 * i]
+        out[name] = num / den if den > 0 else 0.0
+    return out
+
+
 def get_peak_flops(device_name: str) -> float | None:
     """Spec dense bf16 FLOP/s of a GPU by name, or None when unknown (MFU is then not shown)."""
     for pattern, flops in _PEAK_BF16_FLOPS:

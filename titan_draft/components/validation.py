@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from titan_draft.components.metrics import metric_ratios
 from titan_draft.data.pipeline import build_dataloader
 
 logger = logging.getLogger(__name__)
@@ -46,11 +47,8 @@ def validate(model, features_fn: Callable, batches: Iterable[dict], device: torc
     if all_reduce is not None:
         all_reduce(flat)
     values = flat.tolist()
-    result = {"val/loss": values[0] / max(values[1], 1e-12)}
-    for k, name in enumerate(names):
-        num, den = values[2 + 2 * k], values[3 + 2 * k]
-        result[f"val/{name}"] = num / den if den > 0 else 0.0
-    return result
+    ratios = metric_ratios(values, names)
+    return {"val/loss": values[0] / max(values[1], 1e-12), **{f"val/{k}": v for k, v in ratios.items()}}
 
 
 class Validator:
