@@ -64,12 +64,17 @@ class KVCache:
             mask = (mask & real[:, None, None, :]) | (kv[None, :] == q[:, None])[None, None]
         return mask.expand(self.batch, 1, num_new, total)
 
+    def check_room(self, num_new: int) -> int:
+        """The length after ``num_new`` more slots; raises when the cache cannot hold them."""
+        end = self.length + num_new
+        if end > self.max_len:
+            raise ValueError(f"KVCache: {end} slots needed, the cache holds {self.max_len}")
+        return end
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k, v [B, kv_heads, T, head_dim]`` into slots ``length .. length + T - 1`` of
         ``layer``; returns that layer's keys and values of all ``length + T`` slots."""
-        end = self.length + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KVCache: {end} slots needed, the cache holds {self.max_len}")
+        end = self.check_room(k.shape[2])
         self.k[layer, :, :, self.length:end] = k
         self.v[layer, :, :, self.length:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]

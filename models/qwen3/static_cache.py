@@ -44,8 +44,7 @@ class StaticKVCache(KVCache):
         return mask.expand(self.batch, 1, num_new, self.max_len)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.length + k.shape[2] > self.max_len:
-            raise ValueError(f"KVCache: {self.length + k.shape[2]} slots needed, the cache holds {self.max_len}")
+        self.check_room(k.shape[2])
         slots = self._len + self._slots[: k.shape[2]]
         self.k[layer].index_copy_(2, slots, k)
         self.v[layer].index_copy_(2, slots, v)
