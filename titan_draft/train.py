@@ -379,9 +379,12 @@ class Trainer:
 
     def close(self):
         try:
-            self.metrics.close()
+            self.dataloader.close()  # its threads stop before the interpreter exits (data/loader_state.py)
         finally:
-            self._release_lock()
+            try:
+                self.metrics.close()
+            finally:
+                self._release_lock()
 
 
 def main(argv: list[str] | None = None) -> None:

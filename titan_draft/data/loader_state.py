@@ -7,6 +7,11 @@ rank's copy) next to ``world_size``. Because every rank's part has a key of its 
 all saved ranks merge into one dict; ``load_state_dict`` given such a dict with another
 ``world_size`` asks the loader to move the position to this DP size (``_resharded``), which a
 loader may refuse.
+
+``close`` stops the prefetch threads and waits for them. A daemon thread still inside a torch call
+when the interpreter exits is killed there, which aborts the process ("terminate called without
+an active exception", then a segfault): seen at the end of a 2-rank CPU run that had finished and
+saved, once in about four.
 """
 
 from __future__ import annotations
@@ -19,8 +24,37 @@ import torchdata.nodes as tn
 
 from titan_draft.data.sources import SKIP_REASONS
 from titan_draft.data.worker_errors import ForwardErrorsNode
+from titan_draft.logger import logger
 
-__all__ = ["RankStateLoader", "find_source_state", "replace_source_state"]
+__all__ = ["RankStateLoader", "find_source_state", "replace_source_state", "stop_threads"]
+
+# How long close() waits for a prefetch thread: it stops between items, and one item is a batch
+# of tokenized rows (milliseconds) or of feature-cache reads (well under a second).
+THREAD_STOP_TIMEOUT_S = 60.0
+
+
+def _threaded_nodes(root: tn.BaseNode):
+    """The nodes from ``root`` down its chain of sources that run a thread of their own."""
+    node: Any = root
+    while isinstance(node, tn.BaseNode):
+        if isinstance(node, (tn.Prefetcher, tn.PinMemory)):
+            yield node
+        node = getattr(node, "source", None)  # every torchdata node (and ours) keeps its input there
+
+
+def stop_threads(root: tn.BaseNode, timeout_s: float = THREAD_STOP_TIMEOUT_S) -> None:
+    """Stop the prefetch / pin-memory threads of the pipeline under ``root`` and wait for them.
+
+    torchdata has no public call for this (its own ``__del__`` joins for half a second), hence
+    the private ``_it`` / ``_shutdown`` / ``_thread``; tests/test_data_threads.py pins them."""
+    for node in _threaded_nodes(root):
+        mapper = node._it
+        if mapper is None:
+            continue
+        mapper._shutdown()  # sets the stop event, joins briefly
+        mapper._thread.join(timeout=timeout_s)
+        if mapper._thread.is_alive():
+            logger.warning(f"data: the {type(node).__name__} thread did not stop within {timeout_s:.0f} s")
 
 
 def find_source_state(state: Any, key: str) -> Optional[dict[str, Any]]:
@@ -84,6 +118,10 @@ class RankStateLoader:
             if self._worker is not None and self._worker.failure is not None:
                 raise self._worker.failure  # the one-line error, not torchdata's re-wrapped copy
             raise
+
+    def close(self) -> None:
+        """Stop the pipeline's threads (module docstring): the last call on this loader."""
+        stop_threads(self._loader.root)
 
     def state_dict(self) -> dict[str, Any]:
         return {self._rank_key: pickle.dumps(self._loader.state_dict()), "world_size": self.dp_world}
