@@ -12,7 +12,8 @@ mask, max_length, reserved-token filter) and the capture layers the job's draft 
 
 Each rank renders its rows (``r, r + W, ...`` of the source, in source order), runs the target in
 batches of ``training.local_batch_size`` and writes ``shard-r<rank>-<k>.safetensors`` files of
-about ``--shard-mb`` (titan_draft/data/feature_shards.py) from a background thread. An
+about ``--shard-mb`` (titan_draft/data/feature_shards.py) from ``--writers`` background threads,
+while the next batches' features come off the device (titan_draft/data/feature_capture.py). An
 interrupted run started again with the same arguments continues after the last finished shard.
 When every rank is done, rank 0 writes ``manifest.json`` (what the features were captured from,
 every shard's size and sha256); training refuses a cache without it.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -33,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from titan_draft.components.target import build_target, build_target_tokenizer, check_target_config  # noqa: E402
 from titan_draft.config import ConfigManager, validate_job_config  # noqa: E402
 from titan_draft.data.chat_template import resolve_template  # noqa: E402
+from titan_draft.data.feature_capture import FeatureCopier  # noqa: E402
 from titan_draft.data.feature_manifest import MANIFEST, job_facts, read_rank_index, write_json_atomic  # noqa: E402
 from titan_draft.data.feature_shards import FORMAT, STORAGE_DTYPES  # noqa: E402
 from titan_draft.data.feature_writer import ShardWriter, resume_rank  # noqa: E402
@@ -52,6 +55,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="dtype of the stored features (float8_e4m3: per-token scale, half of bfloat16's bytes)")
     p.add_argument("--shard-mb", type=float, default=1024.0,
                    help="features per shard file in MiB (each DP rank of training reads whole shards)")
+    p.add_argument("--writers", type=int, default=2,
+                   help="shards written at once (each in flight holds one shard in memory)")
     p.add_argument("--estimate", action="store_true",
                    help="only render the rows and print the cache's size (no target forward, nothing written)")
     p.add_argument("--last-hidden", action="store_true",
@@ -116,6 +121,8 @@ def _estimate(cfg, tokenizer, reserved, layer_ids, need_last, storage, hidden_si
 def prepare(argv: list[str]) -> dict:
     """Run the capture; returns the manifest (rank 0) or this rank's summary."""
     a, job_argv = parse_args(argv)
+    if a.writers < 1:
+        raise ValueError(f"--writers: must be >= 1, got {a.writers}")
     cfg = ConfigManager().parse_args(job_argv)
     validate_job_config(cfg, logger)
     check_target_config(cfg)
@@ -150,7 +157,8 @@ def prepare(argv: list[str]) -> dict:
 
     done = resume_rank(a.out, rank)
     skip = sum(e["rows"] for e in done)
-    writer = ShardWriter(a.out, rank, storage=a.storage, shard_bytes=int(a.shard_mb * 2**20), first_shard=len(done))
+    writer = ShardWriter(a.out, rank, storage=a.storage, shard_bytes=int(a.shard_mb * 2**20), first_shard=len(done),
+                         writers=a.writers)
     logger.info(f"prepare: rank {rank}/{world}, capture layers {layer_ids}, last_hidden {need_last}, storage "
                 f"{a.storage}, {len(done)} shards ({skip} rows) already done")
     samples = epoch_samples(cfg.data, tokenizer, dp_rank=rank, dp_world=world, seed=cfg.training.seed,
@@ -159,32 +167,49 @@ def prepare(argv: list[str]) -> dict:
         next(samples, None)
     bsz, t = cfg.training.local_batch_size, cfg.training
     pad_multiple = 16 if cfg.float8.enable else 1
-    k, tokens, fwd_s, start = skip, 0, 0.0, time.perf_counter()
-    while True:
-        batch = [s for _, s in zip(range(bsz), samples)]
-        if not _any_rank(bool(batch), world, device):  # FSDP: every rank runs every forward
-            break
-        rows = batch or [([tokenizer.pad_id], [False])]  # a rank out of rows computes a throwaway batch
-        b = collate_chat(rows, pad_id=tokenizer.pad_id, max_length=cfg.data.max_length,
-                         static_shapes=t.static_shapes, pad_multiple=pad_multiple)
-        t0 = time.perf_counter()
-        aux, last = target.model.capture(b["input_ids"].to(device), layer_ids, need_last)
-        aux, last = aux.cpu(), None if last is None else last.cpu()
-        fwd_s += time.perf_counter() - t0
-        per_layer = aux.unflatten(-1, (len(layer_ids), -1))
-        for i, (ids, mask) in enumerate(batch):
+    copier = FeatureCopier(device)  # batch i's copy to the host overlaps batch i+1's forward
+    k, tokens, computed, start = skip, 0, 0, time.perf_counter()
+
+    def write_rows(done) -> None:
+        nonlocal k, tokens
+        per_layer = done.aux.unflatten(-1, (len(layer_ids), -1))
+        for i, (ids, mask) in enumerate(done.rows):
             n = len(ids)
             hidden = {lid: per_layer[i, :n, j].clone() for j, lid in enumerate(layer_ids)}
-            writer.add(ids, mask, k * world + rank, hidden, None if last is None else last[i, :n].clone())
+            writer.add(ids, mask, k * world + rank, hidden, None if done.last is None else done.last[i, :n].clone())
             k += 1
             tokens += n
+
+    def next_batch():
+        batch = [s for _, s in zip(range(bsz), samples)]
+        rows = batch or [([tokenizer.pad_id], [False])]  # a rank out of rows computes a throwaway batch
+        return batch, collate_chat(rows, pad_id=tokenizer.pad_id, max_length=cfg.data.max_length,
+                                   static_shapes=t.static_shapes, pad_multiple=pad_multiple)
+
+    # The next batch is read and collated while the device still runs this one; under torchrun the
+    # check below then waits for this forward only (FSDP: every rank runs every forward).
+    batch, b = next_batch()
+    while _any_rank(bool(batch), world, device):
+        computed += b["input_ids"].numel()
+        with copier.forward():
+            aux, last = target.model.capture(b["input_ids"].to(device, non_blocking=True), layer_ids, need_last)
+        if (done := copier.push(batch, aux, last)) is not None:
+            write_rows(done)
+        batch, b = next_batch()
+    if (done := copier.flush()) is not None:
+        write_rows(done)
+    times = copier.forward_times()
+    fwd_s = sum(times)
     written = writer.close()
     elapsed = time.perf_counter() - start
     logger.info(f"prepare: rank {rank} wrote {len(written)} shards, {k - skip} rows, {tokens} tokens in "
-                f"{elapsed:.1f}s (target forward {fwd_s:.1f}s, {tokens / max(fwd_s, 1e-9):.0f} tokens/s)")
+                f"{elapsed:.1f}s (target forward {fwd_s:.1f}s on the device: {tokens / max(fwd_s, 1e-9):.0f} tokens/s, "
+                f"{computed} tokens computed with the padding)")
     if world > 1:
         dist.barrier()
-    result = {"rank": rank, "rows": k - skip, "tokens": tokens, "seconds": elapsed, "forward_seconds": fwd_s}
+    result = {"rank": rank, "rows": k - skip, "tokens": tokens, "computed_tokens": computed, "seconds": elapsed,
+              "forward_seconds": fwd_s, "batches": len(times),
+              "forward_median_seconds": statistics.median(times) if times else 0.0}
     if rank == 0:
         shards = [e for r in range(world) for e in read_rank_index(a.out, r)]
         meta.update(complete=True, rows=sum(s["rows"] for s in shards), tokens=sum(s["tokens"] for s in shards),

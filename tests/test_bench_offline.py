@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from scripts.bench_offline import job_overrides, parse_args, report, run_write
@@ -34,3 +35,25 @@ def test_bench_cache_passes_the_trainers_checks(tmp_path):
     with open(os.path.join(a.out, "write.json"), "w") as f:
         json.dump(w, f)
     assert "disk read bandwidth" in report(a)
+
+
+def test_prepare_case_reports_its_cost_against_the_online_target(tmp_path):
+    import re
+
+    from scripts.bench_offline import run_prepare
+
+    a = parse_args(["--out", str(tmp_path), "--tiny", "--warmup", "1", "--steps", "2", "--prepare-rows", "8"])
+    p = run_prepare(a)
+    assert p["rows"] == 8 and p["computed_tokens"] >= p["tokens"] > 0 and p["forward_seconds"] > 0
+    assert p["batches"] == -(-8 // a.batch)
+    with open(os.path.join(a.out, "prepare.json"), "w") as f:
+        json.dump(p, f)
+    steps = {"online": 30.0, "synthetic": 20.0}
+    for case, ms in steps.items():
+        with open(os.path.join(a.out, f"{case}.json"), "w") as f:
+            json.dump({"step_ms": ms, "data_wait_ms": 0.0, "data_wait_pct": 0.0, "tokens_per_step": 1000}, f)
+    text = report(a)
+    cost_us = (30.0 - 20.0) / 1000 * 1e3  # the online target's µs per computed token
+    ratio = float(re.search(r"online target cost per token: ([0-9.]+)", text).group(1))
+    per_token = 1e6 * p["forward_median_seconds"] * p["batches"] / p["computed_tokens"]
+    assert ratio == pytest.approx(per_token / cost_us, abs=0.006)

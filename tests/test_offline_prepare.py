@@ -47,8 +47,7 @@ def test_interrupted_prepare_resumes_to_the_same_cache(tmp_path, random_target_d
     def add_then_die(self, *a, **kw):
         calls.append(1)
         if len(calls) == 8:
-            self._queue.put(None)  # the shards already handed over are written, then the kill
-            self._thread.join()
+            self._pool.shutdown(wait=True)  # the shards already handed over are written, then the kill
             raise KeyboardInterrupt("simulated kill")
         add(self, *a, **kw)
 

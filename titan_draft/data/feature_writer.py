@@ -1,9 +1,10 @@
 """Writing one prepare rank's feature shards: rows are buffered until a shard is full, then the
-shard is written by a background thread while the target computes the next batches.
+shard is written by background threads while the target computes the next batches.
 
-Resume record: ``index.rank<r>.jsonl`` gains one line per shard, appended only after the shard
-file is whole on disk, so every line names a complete shard; a shard written but not yet listed
-(a kill between the two) is written again on resume.
+Resume record: ``index.rank<r>.jsonl`` gains one line per shard, in shard order, appended only
+after the shard file and every earlier one are whole on disk, so the lines name complete shards
+holding a prefix of the rank's rows; a shard written but not yet listed (a kill between the two,
+or a later shard finished before an earlier one) is written again on resume.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import glob
 import json
 import os
-import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -50,40 +51,63 @@ class ShardWriter:
     """Buffers rows and writes a shard once it holds ``shard_bytes`` of features.
 
     ``add`` takes one row's ids, mask, cache-wide id, ``{layer_id: [L, H]}`` and the optional last
-    hidden ``[L, H]`` (CPU tensors). ``close`` writes the last partial shard and waits for the
-    thread; a write error is raised by the next ``add`` or by ``close``."""
+    hidden ``[L, H]`` (CPU tensors). Up to ``writers`` shards are written at once by background
+    threads (serializing, hashing and writing a shard release the GIL for most of their time, and
+    one thread alone falls behind a fast target); the index still gains its lines in shard order,
+    each only once every earlier shard is listed, so it always names a prefix of the rows. ``add``
+    waits while ``writers`` shards are in flight: with the one being filled, at most
+    ``writers + 1`` shards are in memory. ``close`` writes the last partial shard and waits for
+    all; a write error is raised by the next ``add`` or by ``close``."""
 
-    def __init__(self, folder: str, rank: int, *, storage: str, shard_bytes: int, first_shard: int):
+    def __init__(self, folder: str, rank: int, *, storage: str, shard_bytes: int, first_shard: int,
+                 writers: int = 2):
+        if writers < 1:
+            raise ValueError(f"writers: must be >= 1, got {writers}")
         self.folder, self.rank, self.storage, self.shard_bytes = folder, rank, storage, shard_bytes
         self._k = first_shard
         self._rows: list[tuple] = []
         self._bytes = 0
         self._itemsize = {"bfloat16": 2, "float32": 4, "float8_e4m3": 1}[storage]
-        self._queue: queue.Queue = queue.Queue(maxsize=2)  # at most two full shards in memory
+        self._slots = threading.BoundedSemaphore(writers)
+        self._lock = threading.Lock()
+        self._finished: dict[int, dict[str, Any]] = {}  # shard number -> entry, written but not yet listed
+        self._next_listed = first_shard
         self._error: BaseException | None = None
         self.written: list[dict[str, Any]] = []
-        self._thread = threading.Thread(target=self._run, name=f"feature-writer-{rank}", daemon=True)
-        self._thread.start()
+        self._pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix=f"feature-writer-{rank}")
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
+    def _write(self, k: int, rows: list[tuple]) -> None:
+        try:
             if self._error is not None:
-                continue
-            try:
-                name, rows = item
-                entry = write_shard(
-                    os.path.join(self.folder, name),
-                    input_ids=[r[0] for r in rows], loss_mask=[r[1] for r in rows], row_ids=[r[2] for r in rows],
-                    hidden={i: [r[3][i] for r in rows] for i in rows[0][3]},
-                    last_hidden=None if rows[0][4] is None else [r[4] for r in rows], storage=self.storage)
-                entry["rank"] = self.rank
-                with open(rank_index_path(self.folder, self.rank), "a") as f:
-                    f.write(json.dumps(entry) + "\n")
-                    f.flush()
-                    os.fsync(f.fileno())
-                self.written.append(entry)
-            except BaseException as e:  # handed to the main thread
-                self._error = e
+                return
+            entry = write_shard(
+                os.path.join(self.folder, shard_name(self.rank, k)),
+                input_ids=[r[0] for r in rows], loss_mask=[r[1] for r in rows], row_ids=[r[2] for r in rows],
+                hidden={i: [r[3][i] for r in rows] for i in rows[0][3]},
+                last_hidden=None if rows[0][4] is None else [r[4] for r in rows], storage=self.storage)
+            entry["rank"] = self.rank
+            with self._lock:
+                self._finished[k] = entry
+                self._list_finished()
+        except BaseException as e:  # handed to the main thread
+            with self._lock:
+                self._error = self._error or e
+        finally:
+            self._slots.release()
+
+    def _list_finished(self) -> None:
+        """Append the index lines of the shards that now continue the listed prefix (lock held)."""
+        ready = []
+        while self._next_listed in self._finished:
+            ready.append(self._finished.pop(self._next_listed))
+            self._next_listed += 1
+        if not ready:
+            return
+        with open(rank_index_path(self.folder, self.rank), "a") as f:
+            f.writelines(json.dumps(e) + "\n" for e in ready)
+            f.flush()
+            os.fsync(f.fileno())
+        self.written.extend(ready)
 
     def _check(self) -> None:
         if self._error is not None:
@@ -99,13 +123,13 @@ class ShardWriter:
 
     def _flush(self) -> None:
         if self._rows:
-            self._queue.put((shard_name(self.rank, self._k), self._rows))
+            self._slots.acquire()  # waits while `writers` shards are being written
+            self._pool.submit(self._write, self._k, self._rows)
             self._k += 1
             self._rows, self._bytes = [], 0
 
     def close(self) -> list[dict[str, Any]]:
         self._flush()
-        self._queue.put(None)
-        self._thread.join()
+        self._pool.shutdown(wait=True)
         self._check()
         return self.written

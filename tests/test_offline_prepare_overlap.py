@@ -1,0 +1,112 @@
+"""prepare_features' overlap: features come off the device one batch behind the forward, and
+several shards are written at once while the index stays an ordered prefix of whole shards."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import titan_draft.data.feature_writer as feature_writer
+from titan_draft.data.feature_capture import FeatureCopier
+from titan_draft.data.feature_manifest import rank_index_path
+from titan_draft.data.feature_writer import ShardWriter, resume_rank
+
+H = 8
+
+
+def _row(i: int):
+    n = 3 + i % 4
+    return [i] * n, [True] * n, i, {2: torch.full((n, H), float(i))}, None
+
+
+def _fill(writer: ShardWriter, rows: int) -> None:
+    for i in range(rows):
+        writer.add(*_row(i))
+
+
+def _slow_early_shards(monkeypatch, fail_shard: int | None = None):
+    """write_shard that takes longer for earlier shards (so later ones finish first), records how
+    many ran at once, and fails on ``fail_shard``."""
+    real, state = feature_writer.write_shard, {"now": 0, "peak": 0}
+    lock = threading.Lock()
+
+    def write_shard(path, **kw):
+        k = int(os.path.basename(path).split("-")[2].split(".")[0])
+        with lock:
+            state["now"] += 1
+            state["peak"] = max(state["peak"], state["now"])
+        try:
+            time.sleep(0.05 * max(0, 4 - k))
+            if k == fail_shard:
+                raise OSError(28, "No space left on device")
+            return real(path, **kw)
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    monkeypatch.setattr(feature_writer, "write_shard", write_shard)
+    return state
+
+
+def test_shards_written_at_once_are_listed_in_order(tmp_path, monkeypatch):
+    state = _slow_early_shards(monkeypatch)
+    writer = ShardWriter(str(tmp_path), 0, storage="bfloat16", shard_bytes=2 * 6 * H * 2, first_shard=0, writers=3)
+    _fill(writer, 20)
+    written = writer.close()
+    assert state["peak"] == 3  # the shards were written in parallel
+    lines = [json.loads(x) for x in open(rank_index_path(str(tmp_path), 0))]
+    assert [e["file"] for e in lines] == [e["file"] for e in written] == sorted(e["file"] for e in lines)
+    assert len(lines) >= 6 and sum(e["rows"] for e in lines) == 20
+    assert [e["file"] for e in resume_rank(str(tmp_path), 0)] == [e["file"] for e in lines]
+    # the rows are in order across shards: shard k holds the rows after shard k-1's
+    from safetensors.torch import load_file
+
+    ids = torch.cat([load_file(str(tmp_path / e["file"]))["row_ids"] for e in lines])
+    assert ids.tolist() == list(range(20))
+
+
+def test_a_failed_shard_ends_the_listed_prefix(tmp_path, monkeypatch):
+    _slow_early_shards(monkeypatch, fail_shard=1)
+    writer = ShardWriter(str(tmp_path), 0, storage="bfloat16", shard_bytes=2 * 6 * H * 2, first_shard=0, writers=3)
+    with pytest.raises(RuntimeError, match=r"feature shard writer \(rank 0\) failed: .*No space left on device"):
+        _fill(writer, 20)
+        writer.close()
+    writer._pool.shutdown(wait=True)
+    listed = [json.loads(x)["file"] for x in open(rank_index_path(str(tmp_path), 0))]
+    assert listed == ["shard-r000-00000.safetensors"]  # later shards may be on disk, never listed
+    resume_rank(str(tmp_path), 0)  # a resume removes the unlisted ones, to write them again
+    assert sorted(p for p in os.listdir(tmp_path) if p.endswith(".safetensors")) == listed
+
+
+def test_copier_hands_each_batch_out_one_push_later(device=torch.device("cpu")):
+    copier = FeatureCopier(device)
+    out = []
+    for i in range(4):
+        with copier.forward():
+            aux = torch.full((2, 5, 3), float(i), device=device)
+            last = None if i % 2 else torch.full((2, 5, 1), -float(i), device=device)
+        done = copier.push(f"rows{i}", aux, last)
+        assert (done is None) == (i == 0)
+        if done is not None:
+            out.append((done.rows, done.aux.clone(), None if done.last is None else done.last.clone()))
+    done = copier.flush()
+    out.append((done.rows, done.aux.clone(), None if done.last is None else done.last.clone()))
+    assert copier.flush() is None
+    assert [r for r, _, _ in out] == [f"rows{i}" for i in range(4)]
+    for i, (_, aux, last) in enumerate(out):
+        assert aux.device.type == "cpu" and torch.equal(aux, torch.full((2, 5, 3), float(i)))
+        assert (last is None) == bool(i % 2)
+        if last is not None:
+            assert torch.equal(last, torch.full((2, 5, 1), -float(i)))
+    times = copier.forward_times()
+    assert len(times) == 4 and all(t >= 0.0 for t in times)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned side-stream copy needs a GPU")
+def test_copier_on_cuda_reuses_its_pinned_buffers_safely():
+    test_copier_hands_each_batch_out_one_push_later(torch.device("cuda"))
