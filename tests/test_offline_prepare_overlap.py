@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import titan_draft.data.feature_writer as feature_writer
-from titan_draft.data.feature_capture import FeatureCopier
+from titan_draft.data.feature_capture import FeatureCopier, _Slot
 from titan_draft.data.feature_manifest import rank_index_path
 from titan_draft.data.feature_writer import ShardWriter, resume_rank
 
@@ -83,13 +83,17 @@ def test_a_failed_shard_ends_the_listed_prefix(tmp_path, monkeypatch):
     assert sorted(p for p in os.listdir(tmp_path) if p.endswith(".safetensors")) == listed
 
 
+def _shape(i: int) -> tuple[int, int, int]:
+    return (2, 5 + 3 * (i % 3), 3)  # dynamic shapes: the pinned buffers grow, then get reused
+
+
 def test_copier_hands_each_batch_out_one_push_later(device=torch.device("cpu")):
     copier = FeatureCopier(device)
     out = []
-    for i in range(4):
+    for i in range(6):
         with copier.forward():
-            aux = torch.full((2, 5, 3), float(i), device=device)
-            last = None if i % 2 else torch.full((2, 5, 1), -float(i), device=device)
+            aux = torch.full(_shape(i), float(i), device=device)
+            last = None if i % 2 else torch.full(_shape(i)[:2] + (1,), -float(i), device=device)
         done = copier.push(f"rows{i}", aux, last)
         assert (done is None) == (i == 0)
         if done is not None:
@@ -97,14 +101,27 @@ def test_copier_hands_each_batch_out_one_push_later(device=torch.device("cpu")):
     done = copier.flush()
     out.append((done.rows, done.aux.clone(), None if done.last is None else done.last.clone()))
     assert copier.flush() is None
-    assert [r for r, _, _ in out] == [f"rows{i}" for i in range(4)]
+    assert [r for r, _, _ in out] == [f"rows{i}" for i in range(6)]
     for i, (_, aux, last) in enumerate(out):
-        assert aux.device.type == "cpu" and torch.equal(aux, torch.full((2, 5, 3), float(i)))
+        assert aux.device.type == "cpu" and torch.equal(aux, torch.full(_shape(i), float(i)))
         assert (last is None) == bool(i % 2)
         if last is not None:
-            assert torch.equal(last, torch.full((2, 5, 1), -float(i)))
+            assert torch.equal(last, torch.full(_shape(i)[:2] + (1,), -float(i)))
     times = copier.forward_times()
-    assert len(times) == 4 and all(t >= 0.0 for t in times)
+    assert len(times) == 6 and all(t >= 0.0 for t in times)
+
+
+def test_a_slot_grows_its_host_memory_and_views_it_per_batch():
+    slot = _Slot(pin=False)  # pinned memory needs a CUDA build; the bookkeeping is the same
+    a = slot.view("aux", torch.empty(2, 5, 3))
+    assert a.shape == (2, 5, 3) and a.is_contiguous()
+    b = slot.view("aux", torch.empty(1, 4, 3))  # smaller: the same memory
+    assert b.shape == (1, 4, 3) and b.data_ptr() == a.data_ptr()
+    c = slot.view("aux", torch.empty(2, 9, 3))  # larger: grown, to at least twice the old size
+    assert c.shape == (2, 9, 3) and slot._flat["aux"].numel() == 60
+    d = slot.view("aux", torch.empty(2, 5, 3, dtype=torch.bfloat16))  # another dtype: its own memory
+    assert d.dtype == torch.bfloat16 and slot._flat["aux"].numel() == 30
+    assert slot.view("last", torch.empty(2, 5, 1)).data_ptr() != d.data_ptr()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned side-stream copy needs a GPU")

@@ -58,5 +58,7 @@ def run_cli(build_trainer: Callable, argv: list[str] | None = None) -> None:
     except RUN_ERRORS as e:
         _fail(e, 1)
     finally:
-        trainer.close()
-        destroy_distributed()
+        try:
+            trainer.close()
+        finally:
+            destroy_distributed()

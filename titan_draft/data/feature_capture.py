@@ -34,18 +34,25 @@ class CapturedBatch:
 
 
 class _Slot:
-    """A pinned host buffer pair and the event that says its copy has finished."""
+    """Pinned host memory for one batch's features and the event that says its copy has finished.
 
-    def __init__(self) -> None:
+    The memory is kept flat and only grows (by doubling), and each batch gets a view of its
+    shape: with dynamic shapes every batch differs, and pinning memory anew each time would cost
+    more than the copy."""
+
+    def __init__(self, pin: bool = True) -> None:
+        self.pin = pin
+        self._flat: dict[str, torch.Tensor] = {}
         self.aux: Optional[torch.Tensor] = None
         self.last: Optional[torch.Tensor] = None
         self.done: Optional[torch.cuda.Event] = None
 
-    @staticmethod
-    def _fit(buf: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
-        return buf
+    def view(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        flat = self._flat.get(name)
+        if flat is None or flat.dtype != like.dtype or flat.numel() < like.numel():
+            size = max(like.numel(), 2 * flat.numel() if flat is not None and flat.dtype == like.dtype else 0)
+            flat = self._flat[name] = torch.empty(size, dtype=like.dtype, pin_memory=self.pin)
+        return flat[: like.numel()].view(like.shape)
 
 
 class FeatureCopier:
@@ -88,8 +95,8 @@ class FeatureCopier:
         if self.cuda:
             slot = self._slots[self._next_slot]
             self._next_slot = 1 - self._next_slot
-            slot.aux = _Slot._fit(slot.aux, aux)
-            slot.last = None if last is None else _Slot._fit(slot.last, last)
+            slot.aux = slot.view("aux", aux)
+            slot.last = None if last is None else slot.view("last", last)
             self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the forward wrote them
             with torch.cuda.stream(self._stream):
                 slot.aux.copy_(aux, non_blocking=True)
