@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -118,6 +119,55 @@ def _estimate(cfg, tokenizer, reserved, layer_ids, need_last, storage, hidden_si
     return est
 
 
+@dataclass
+class CaptureCounts:
+    rows: int
+    tokens: int  # the rows' own tokens
+    computed: int  # tokens the target computed, padding included
+    forward_times: list[float]  # seconds per forward, in order
+
+
+def capture(cfg, target, tokenizer, samples, writer: ShardWriter, *, layer_ids: list[int], need_last: bool,
+            first_row: int, rank: int, world: int, device: torch.device) -> CaptureCounts:
+    """Run the target over ``samples`` in batches of ``training.local_batch_size`` and hand each
+    row's features to ``writer``; rows get cache-wide ids ``(first_row + i) * world + rank``."""
+    bsz, t = cfg.training.local_batch_size, cfg.training
+    pad_multiple = 16 if cfg.float8.enable else 1
+    copier = FeatureCopier(device)  # batch i's copy to the host overlaps batch i+1's forward
+    counts = CaptureCounts(0, 0, 0, [])
+
+    def write_rows(done) -> None:
+        per_layer = done.aux.unflatten(-1, (len(layer_ids), -1))
+        for i, (ids, mask) in enumerate(done.rows):
+            n = len(ids)
+            hidden = {lid: per_layer[i, :n, j].clone() for j, lid in enumerate(layer_ids)}
+            last = None if done.last is None else done.last[i, :n].clone()
+            writer.add(ids, mask, (first_row + counts.rows) * world + rank, hidden, last)
+            counts.rows += 1
+            counts.tokens += n
+
+    def next_batch():
+        batch = [s for _, s in zip(range(bsz), samples)]
+        rows = batch or [([tokenizer.pad_id], [False])]  # a rank out of rows computes a throwaway batch
+        return batch, collate_chat(rows, pad_id=tokenizer.pad_id, max_length=cfg.data.max_length,
+                                   static_shapes=t.static_shapes, pad_multiple=pad_multiple)
+
+    # The next batch is read and collated while the device still runs this one; under torchrun the
+    # check below then waits for this forward only (FSDP: every rank runs every forward).
+    batch, b = next_batch()
+    while _any_rank(bool(batch), world, device):
+        counts.computed += b["input_ids"].numel()
+        with copier.forward():
+            aux, last = target.model.capture(b["input_ids"].to(device, non_blocking=True), layer_ids, need_last)
+        if (done := copier.push(batch, aux, last)) is not None:
+            write_rows(done)
+        batch, b = next_batch()
+    if (done := copier.flush()) is not None:
+        write_rows(done)
+    counts.forward_times = copier.forward_times()
+    return counts
+
+
 def prepare(argv: list[str]) -> dict:
     """Run the capture; returns the manifest (rank 0) or this rank's summary."""
     a, job_argv = parse_args(argv)
@@ -165,50 +215,20 @@ def prepare(argv: list[str]) -> dict:
                             reserved_ids=frozenset(reserved))
     for _ in range(skip):
         next(samples, None)
-    bsz, t = cfg.training.local_batch_size, cfg.training
-    pad_multiple = 16 if cfg.float8.enable else 1
-    copier = FeatureCopier(device)  # batch i's copy to the host overlaps batch i+1's forward
-    k, tokens, computed, start = skip, 0, 0, time.perf_counter()
-
-    def write_rows(done) -> None:
-        nonlocal k, tokens
-        per_layer = done.aux.unflatten(-1, (len(layer_ids), -1))
-        for i, (ids, mask) in enumerate(done.rows):
-            n = len(ids)
-            hidden = {lid: per_layer[i, :n, j].clone() for j, lid in enumerate(layer_ids)}
-            writer.add(ids, mask, k * world + rank, hidden, None if done.last is None else done.last[i, :n].clone())
-            k += 1
-            tokens += n
-
-    def next_batch():
-        batch = [s for _, s in zip(range(bsz), samples)]
-        rows = batch or [([tokenizer.pad_id], [False])]  # a rank out of rows computes a throwaway batch
-        return batch, collate_chat(rows, pad_id=tokenizer.pad_id, max_length=cfg.data.max_length,
-                                   static_shapes=t.static_shapes, pad_multiple=pad_multiple)
-
-    # The next batch is read and collated while the device still runs this one; under torchrun the
-    # check below then waits for this forward only (FSDP: every rank runs every forward).
-    batch, b = next_batch()
-    while _any_rank(bool(batch), world, device):
-        computed += b["input_ids"].numel()
-        with copier.forward():
-            aux, last = target.model.capture(b["input_ids"].to(device, non_blocking=True), layer_ids, need_last)
-        if (done := copier.push(batch, aux, last)) is not None:
-            write_rows(done)
-        batch, b = next_batch()
-    if (done := copier.flush()) is not None:
-        write_rows(done)
-    times = copier.forward_times()
+    start = time.perf_counter()
+    counts = capture(cfg, target, tokenizer, samples, writer, layer_ids=layer_ids, need_last=need_last,
+                     first_row=skip, rank=rank, world=world, device=device)
+    times = counts.forward_times
     fwd_s = sum(times)
     written = writer.close()
     elapsed = time.perf_counter() - start
-    logger.info(f"prepare: rank {rank} wrote {len(written)} shards, {k - skip} rows, {tokens} tokens in "
-                f"{elapsed:.1f}s (target forward {fwd_s:.1f}s on the device: {tokens / max(fwd_s, 1e-9):.0f} tokens/s, "
-                f"{computed} tokens computed with the padding)")
+    logger.info(f"prepare: rank {rank} wrote {len(written)} shards, {counts.rows} rows, {counts.tokens} tokens in "
+                f"{elapsed:.1f}s (target forward {fwd_s:.1f}s on the device: {counts.tokens / max(fwd_s, 1e-9):.0f} "
+                f"tokens/s, {counts.computed} tokens computed with the padding)")
     if world > 1:
         dist.barrier()
-    result = {"rank": rank, "rows": k - skip, "tokens": tokens, "computed_tokens": computed, "seconds": elapsed,
-              "forward_seconds": fwd_s, "batches": len(times),
+    result = {"rank": rank, "rows": counts.rows, "tokens": counts.tokens, "computed_tokens": counts.computed,
+              "seconds": elapsed, "forward_seconds": fwd_s, "batches": len(times),
               "forward_median_seconds": statistics.median(times) if times else 0.0}
     if rank == 0:
         shards = [e for r in range(world) for e in read_rank_index(a.out, r)]
