@@ -21,6 +21,18 @@ def tok():
     return build_tokenizer("qwen3")
 
 
+_BUILT: list = []
+
+
+@pytest.fixture(autouse=True)
+def _close_loaders():
+    """Every loader a test builds is closed after it, as the trainer closes its own: a prefetch
+    thread left running is otherwise collected later, in whatever thread the GC runs."""
+    yield
+    while _BUILT:
+        _BUILT.pop().close()
+
+
 def _conv(i, user="question"):
     return {"conversations": [{"from": "human", "value": f"{user} {i}"},
                               {"from": "gpt", "value": f"answer {i}"}]}  # fmt: skip
@@ -34,9 +46,11 @@ def _write(path, lines):
 def _build(tok, source, *, bs=3, rank=0, world=1, seed=7, static=False, pad_multiple=1, reserved=(), **data):
     data.setdefault("chat_template", "chatml")  # the lengths below were measured with it
     cfg = Data(source=source, max_length=data.pop("max_length", 64), **data)
-    return build_dataloader(cfg, tok, dp_rank=rank, dp_world=world, local_batch_size=bs,
-                            seed=seed, static_shapes=static, pad_multiple=pad_multiple,
-                            reserved_ids=frozenset(reserved))  # fmt: skip
+    dl = build_dataloader(cfg, tok, dp_rank=rank, dp_world=world, local_batch_size=bs,
+                          seed=seed, static_shapes=static, pad_multiple=pad_multiple,
+                          reserved_ids=frozenset(reserved))  # fmt: skip
+    _BUILT.append(dl)
+    return dl
 
 
 def _row_ids(batch, tok):
