@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from titan_draft.components.acceptance import EvalReport, evaluate
 from titan_draft.components.export import PROVENANCE_NAME, load_export
+from titan_draft.components.metrics import due_every
 from titan_draft.components.target import load_target
 from titan_draft.data.chat_template import resolve_template
 from titan_draft.data.prompts import load_eval_prompts, stop_token_ids
@@ -128,8 +129,7 @@ class Evaluator:
         self.folder = os.path.join(cfg.job.dump_folder, e.folder)
 
     def should_run(self, step: int, total_steps: int) -> bool:
-        interval = self.cfg.eval.interval
-        return self.enabled and (step == total_steps or (interval > 0 and step % interval == 0))
+        return self.enabled and due_every(step, total_steps, self.cfg.eval.interval)
 
     def run(self, model, step: int, is_rank0: bool) -> EvalReport:
         """Measure the live (possibly sharded, compiled) draft at ``step`` (collective)."""

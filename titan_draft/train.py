@@ -18,7 +18,7 @@ from titan_draft.components.checkpoint import CheckpointManager, TrainState
 from titan_draft.components.export import export_draft, exported_step
 from titan_draft.components.float8 import Float8Converter
 from titan_draft.components.lr_scheduler import build_lr_scheduler
-from titan_draft.components.metrics import LogWindow, MetricsLogger, get_peak_flops, metric_ratios
+from titan_draft.components.metrics import LogWindow, MetricsLogger, StepSums, get_peak_flops, metric_ratios
 from titan_draft.components.model_args import resolve_model_args
 from titan_draft.components.nonfinite import build_nonfinite_guard
 from titan_draft.components.offline_source import (
@@ -209,22 +209,15 @@ class Trainer:
         step = self.train_state.step
         self.model.set_train_progress(step, self.total_steps)
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, torch.Tensor] = {}
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        denom = torch.zeros((), device=self.device, dtype=torch.float64)
+        sums = StepSums(self.device)
         for micro, batch in enumerate(micro_batches):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             features = self.features_fn(batch)
             out = self.model(features, generator=self._generator(step, micro))
             out.loss_sum.backward()
-            loss_sum += out.loss_sum.detach().double()
-            denom += out.loss_denominator.detach().double()
-            for name, (num, den) in out.metrics.items():
-                pair = torch.stack([num.detach().double(), den.detach().double()])
-                sums[name] = sums[name] + pair if name in sums else pair
+            sums.add(out)
         # One all-reduce for the denominator, the loss and every metric.
-        names = sorted(sums)
-        flat = torch.cat([torch.stack([loss_sum, denom])] + [sums[n] for n in names])
+        flat, names = sums.flat()
         if self.dp_world > 1:
             torch.distributed.all_reduce(flat)
         global_denom = flat[1]

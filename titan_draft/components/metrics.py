@@ -48,6 +48,34 @@ _PEAK_BF16_FLOPS: list[tuple[str, float]] = [
 ]
 
 
+def due_every(step: int, total_steps: int, every: int) -> bool:
+    """Whether a periodic measurement (``[eval]``, ``[validation]``) runs after ``step``: every
+    ``every`` steps (0: never on the way) and always after the last one."""
+    return step == total_steps or (every > 0 and step % every == 0)
+
+
+class StepSums:
+    """A step's sums over its micro-batches (training) or batches (validation): the loss, its
+    denominator and every metric's (numerator, denominator), in float64, so that one all-reduce of
+    :meth:`flat` gives the global figures and :func:`metric_ratios` divides them at the end."""
+
+    def __init__(self, device: torch.device):
+        self.loss = torch.zeros(2, dtype=torch.float64, device=device)
+        self.metrics: dict[str, torch.Tensor] = {}
+
+    def add(self, out) -> None:
+        """Add one forward's ``loss_sum``, ``loss_denominator`` and ``metrics`` (detached)."""
+        self.loss += torch.stack([out.loss_sum.detach().double(), out.loss_denominator.detach().double()])
+        for name, (num, den) in out.metrics.items():
+            pair = torch.stack([num.detach().double(), den.detach().double()])
+            self.metrics[name] = self.metrics[name] + pair if name in self.metrics else pair
+
+    def flat(self) -> tuple[torch.Tensor, list[str]]:
+        """``([loss_sum, loss_denominator, num_0, den_0, ...], names)``, metrics in name order."""
+        names = sorted(self.metrics)
+        return torch.cat([self.loss] + [self.metrics[n] for n in names]), names
+
+
 def metric_ratios(flat: list[float], names: list[str]) -> dict[str, float]:
     """``{name: numerator / denominator}`` of a step's reduced sums ``flat = [loss_sum,
     loss_denominator, num_0, den_0, num_1, den_1, ...]`` (metrics in ``names`` order; an empty

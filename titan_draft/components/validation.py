@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from titan_draft.components.metrics import metric_ratios
+from titan_draft.components.metrics import StepSums, due_every, metric_ratios
 from titan_draft.data.pipeline import build_dataloader
 
 logger = logging.getLogger(__name__)
@@ -32,18 +32,12 @@ def validate(model, features_fn: Callable, batches: Iterable[dict], device: torc
     """``{"val/loss": .., "val/<metric>": ..}`` of ``model`` over ``batches``: the sums of loss
     and of every metric's numerator and denominator over all batches (and ranks, through
     ``all_reduce``), divided at the end, as training's logged figures are."""
-    loss = torch.zeros(2, dtype=torch.float64, device=device)
-    sums: dict[str, torch.Tensor] = {}
+    sums = StepSums(device)
     for i, batch in enumerate(batches):
         batch = {k: v.to(device) for k, v in batch.items()}
         g = torch.Generator(device=device).manual_seed(seed + i)
-        out = model(features_fn(batch), generator=g)
-        loss += torch.stack([out.loss_sum.double(), out.loss_denominator.double()])
-        for name, (num, den) in out.metrics.items():
-            pair = torch.stack([num.double(), den.double()])
-            sums[name] = sums[name] + pair if name in sums else pair
-    names = sorted(sums)
-    flat = torch.cat([loss] + [sums[n] for n in names])
+        sums.add(model(features_fn(batch), generator=g))
+    flat, names = sums.flat()
     if all_reduce is not None:
         all_reduce(flat)
     values = flat.tolist()
@@ -69,8 +63,7 @@ class Validator:
         self._build()  # a held-out split without a usable row fails here, before training
 
     def should_run(self, step: int, total_steps: int) -> bool:
-        freq = self.cfg.validation.freq
-        return self.enabled and (step == total_steps or (freq > 0 and step % freq == 0))
+        return self.enabled and due_every(step, total_steps, self.cfg.validation.freq)
 
     def run(self, model, features_fn: Callable, step: int) -> dict[str, float]:
         """The ``val/*`` scalars at ``step`` (collective under data parallelism)."""
