@@ -44,11 +44,7 @@ class KVCache:
 
     def positions(self, num_new: int) -> torch.Tensor:
         """``[B, T]`` RoPE positions of the next ``num_new`` slots."""
-        slots = torch.arange(self.length, self.length + num_new, device=self.k.device)
-        pos = slots.expand(self.batch, num_new)
-        if self.pad is not None:
-            pos = (pos - self.pad[:, None]).clamp(min=0)
-        return pos
+        return self._slot_positions(torch.arange(self.length, self.length + num_new, device=self.k.device))
 
     def attn_mask(self, num_new: int) -> torch.Tensor | None:
         """Boolean ``[B, 1, T, length + T]`` mask of the next ``num_new`` queries (None when one
@@ -56,13 +52,24 @@ class KVCache:
         if num_new == 1 and self.pad is None:
             return None
         total = self.length + num_new
-        kv = torch.arange(total, device=self.k.device)
-        q = torch.arange(self.length, total, device=self.k.device)
-        mask = (kv[None, :] <= q[:, None])[None, None]  # causal over absolute slots
+        return self._slot_mask(torch.arange(self.length, total, device=self.k.device),
+                               torch.arange(total, device=self.k.device))
+
+    def _slot_positions(self, slots: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` positions of the query ``slots [T]``: the slot, less the row's left padding."""
+        pos = slots.expand(self.batch, slots.shape[0])
         if self.pad is not None:
-            real = kv[None, :] >= self.pad[:, None]  # [B, KV]
+            pos = (pos - self.pad[:, None]).clamp(min=0)
+        return pos
+
+    def _slot_mask(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """``[B, 1, T, S]`` mask of query slots ``q [T]`` over key slots ``kv [S]``: causal over
+        absolute slots, a row's padding hidden (each query still sees its own slot)."""
+        mask = (kv[None, :] <= q[:, None])[None, None]
+        if self.pad is not None:
+            real = kv[None, :] >= self.pad[:, None]  # [B, S]
             mask = (mask & real[:, None, None, :]) | (kv[None, :] == q[:, None])[None, None]
-        return mask.expand(self.batch, 1, num_new, total)
+        return mask.expand(self.batch, 1, q.shape[0], kv.shape[0])
 
     def check_room(self, num_new: int) -> int:
         """The length after ``num_new`` more slots; raises when the cache cannot hold them."""

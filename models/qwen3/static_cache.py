@@ -27,21 +27,12 @@ class StaticKVCache(KVCache):
         self._slots = torch.arange(self.max_len, device=self.k.device)
 
     def positions(self, num_new: int) -> torch.Tensor:
-        pos = (self._len + self._slots[:num_new]).expand(self.batch, num_new)
-        if self.pad is not None:
-            pos = (pos - self.pad[:, None]).clamp(min=0)
-        return pos
+        return self._slot_positions(self._len + self._slots[:num_new])
 
     def attn_mask(self, num_new: int) -> torch.Tensor:
         """Boolean ``[B, 1, T, max_len]`` mask of the next ``num_new`` queries (always a mask:
         the unfilled slots must be hidden)."""
-        kv = self._slots
-        q = self._len + self._slots[:num_new]
-        mask = (kv[None, :] <= q[:, None])[None, None]
-        if self.pad is not None:
-            real = kv[None, :] >= self.pad[:, None]
-            mask = (mask & real[:, None, None, :]) | (kv[None, :] == q[:, None])[None, None]
-        return mask.expand(self.batch, 1, num_new, self.max_len)
+        return self._slot_mask(self._len + self._slots[:num_new], self._slots)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.check_room(k.shape[2])
