@@ -11,7 +11,6 @@ recomputed from the seed on resume, and the Prefetcher snapshots the state with 
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from functools import partial
@@ -22,7 +21,7 @@ import torchdata.nodes as tn
 
 from titan_draft.data.feature_shards import ShardReader
 from titan_draft.data.feature_reshard import reshard_feature_position
-from titan_draft.data.loader_state import RankStateLoader, find_source_state, replace_source_state
+from titan_draft.data.loader_state import RankStateLoader
 from titan_draft.data.pipeline import collate_chat
 from titan_draft.data.source_node import hashed_seed
 
@@ -174,22 +173,17 @@ class FeatureDataLoader(RankStateLoader):
         self._shards = shards
 
     def _resharded(self, saved: list[dict[str, Any]]) -> dict[str, Any]:
-        sources = [find_source_state(s, STATE_KEY) for s in saved]
-        if any(s is None for s in sources):
-            raise ValueError(f"data: a saved dataloader state holds no {STATE_KEY} state")
+        sources = self._saved_sources(saved)
         files = lambda r, w: [s["file"] for s in rank_shards(self._shards, r, w)]  # noqa: E731
         mine = files(self.dp_rank, self.dp_world)
         epoch, shard_pos, row_pos = reshard_feature_position(
-            sources, [files(r, len(saved)) for r in range(len(saved))], mine,
+            sources, [files(r, len(sources)) for r in range(len(sources))], mine,
             {s["file"]: s["rows"] for s in self._shards}, new_rank=self.dp_rank, new_world=self.dp_world,
             shard_order=self._source.shard_order, row_order=self._source.row_order, shuffled=self._source.shuffle)
-        state = copy.deepcopy(saved[0])  # the pipeline's layout around the source is the same on every rank
-        replace_source_state(state, STATE_KEY, {"epoch": epoch, "shard_pos": shard_pos, "row_pos": row_pos,
-                                                "files": mine})
         logger.info("data: DP rank %d of %d continues the feature-cache position saved by %d DP ranks: epoch %d, "
-                    "%d of its %d shards done, %d rows into the next", self.dp_rank, self.dp_world, len(saved), epoch,
-                    shard_pos, len(mine), row_pos)
-        return state
+                    "%d of its %d shards done, %d rows into the next", self.dp_rank, self.dp_world, len(sources),
+                    epoch, shard_pos, len(mine), row_pos)
+        return self._with_source(saved[0], {"epoch": epoch, "shard_pos": shard_pos, "row_pos": row_pos, "files": mine})
 
 
 def build_feature_dataloader(folder: str, shards: list[dict[str, Any]], *, data_cfg: Any, pad_id: int, dp_rank: int,

@@ -16,6 +16,7 @@ saved, once in about four.
 
 from __future__ import annotations
 
+import copy
 import pickle
 from typing import Any, Optional
 
@@ -148,12 +149,27 @@ class RankStateLoader:
 
     def _resharded(self, saved: list[dict[str, Any]]) -> dict[str, Any]:
         """This rank's Loader state continuing the run whose ranks saved ``saved`` (another DP size);
-        a loader that can move its position overrides this refusal."""
+        a loader that can move its position overrides this refusal (with :meth:`_saved_sources`
+        and :meth:`_with_source`)."""
         raise ValueError(
             f"data: the dataloader state was saved with {len(saved)} DP ranks, this run has {self.dp_world}, and "
             f"{type(self).__name__} cannot move its position to another DP size; resume with {len(saved)} DP ranks, "
             "or set checkpoint.reset_data_position = true to keep the weights, optimizer and step and start the "
             "data afresh")
+
+    def _saved_sources(self, saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The source node's state in each saved rank's Loader state."""
+        sources = [find_source_state(s, self._source_key) for s in saved]
+        if any(s is None for s in sources):
+            raise ValueError(f"data: a saved dataloader state holds no {self._source_key} state")
+        return sources
+
+    def _with_source(self, layout: dict[str, Any], source_state: dict[str, Any]) -> dict[str, Any]:
+        """A copy of the Loader state ``layout`` (any saved rank's: the pipeline around the source
+        is the same on every rank) with ``source_state`` as its source node's state."""
+        state = copy.deepcopy(layout)
+        replace_source_state(state, self._source_key, source_state)
+        return state
 
     def _source_state(self) -> dict[str, Any]:
         state = find_source_state(self._loader.state_dict(), self._source_key)

@@ -9,7 +9,6 @@ Loader's state describes what the training loop consumed, not what the backgroun
 
 from __future__ import annotations
 
-import copy
 import logging
 from functools import partial
 from typing import Any, Optional
@@ -18,7 +17,7 @@ import torch
 import torchdata.nodes as tn
 
 from titan_draft.data.chat_template import check_template, resolve_template
-from titan_draft.data.loader_state import RankStateLoader, find_source_state, replace_source_state
+from titan_draft.data.loader_state import RankStateLoader
 from titan_draft.data.reshard import reshard_position
 from titan_draft.data.source_node import STATE_KEY, ChatSourceNode, Sample
 from titan_draft.data.sources import load_rows
@@ -75,22 +74,18 @@ class ChatDataLoader(RankStateLoader):
         self._source = source
 
     def _resharded(self, saved: list[dict[str, Any]]) -> dict[str, Any]:
-        sources = [find_source_state(s, STATE_KEY) for s in saved]
-        if any(s is None for s in sources):
-            raise ValueError(f"data: a saved dataloader state holds no {STATE_KEY} state")
+        sources = self._saved_sources(saved)
         epoch, position = reshard_position(
             sources, new_rank=self.dp_rank, new_world=self.dp_world, num_rows=len(self._source.rows),
             order=self._source.epoch_order, shuffled=self._source.shuffle)
         # Which of a saved rank's skipped rows fall to which new rank is not recorded: the counts
         # restart (the rows themselves are exact).
-        fresh = {"epoch": epoch, "position": position, "skip_counts": {}, "epoch_skip_counts": {},
-                 "epoch_usable": 0, "num_rows": len(self._source.rows)}
-        state = copy.deepcopy(saved[0])  # the pipeline's layout around the source is the same on every rank
-        replace_source_state(state, STATE_KEY, fresh)
         logger.info("data: DP rank %d of %d continues the position saved by %d DP ranks exactly: epoch %d, %d of "
-                    "its %d rows read (skip counts restart at zero)", self.dp_rank, self.dp_world, len(saved),
+                    "its %d rows read (skip counts restart at zero)", self.dp_rank, self.dp_world, len(sources),
                     epoch, position, len(self._source.rows))
-        return state
+        return self._with_source(saved[0], {"epoch": epoch, "position": position, "skip_counts": {},
+                                            "epoch_skip_counts": {}, "epoch_usable": 0,
+                                            "num_rows": len(self._source.rows)})
 
 
 def build_dataloader(
