@@ -22,10 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from titan_draft.components.cuda_graphs import capture_graph
-
-# Context slots are reserved in multiples of this (a larger reservation re-captures the graph).
-SLOT_ROUNDING = 256
+from titan_draft.components.cuda_graphs import capture_graph, round_slots
 
 
 class BlockDecoder:
@@ -67,7 +64,7 @@ class BlockDecoder:
             return
         a = self.draft.args
         size = max(max_len, 2 * self._k.shape[3] if self._k is not None else 0, 1)
-        size = -(-size // SLOT_ROUNDING) * SLOT_ROUNDING
+        size = round_slots(size)  # a larger reservation re-captures the graph
         shape = (a.num_layers, 1, a.num_key_value_heads, size, a.head_dim)
         k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         v = torch.zeros(shape, dtype=self.dtype, device=self.device)

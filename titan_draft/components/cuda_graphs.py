@@ -26,6 +26,11 @@ MAX_GRAPH_TOKENS = 32
 SLOT_ROUNDING = 256
 
 
+def round_slots(n: int) -> int:
+    """``n`` cache slots rounded up to a multiple of ``SLOT_ROUNDING``."""
+    return -(-n // SLOT_ROUNDING) * SLOT_ROUNDING
+
+
 def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.clone()
 
@@ -46,7 +51,7 @@ class GraphedDecoder:
         self._pool = torch.cuda.graph_pool_handle()
 
     def new_cache(self, batch: int, max_len: int, pad: torch.Tensor | None = None):
-        slots = -(-max_len // SLOT_ROUNDING) * SLOT_ROUNDING
+        slots = round_slots(max_len)
         c = self.cache
         if c is None or c.batch != batch or c.max_len < slots or (c.pad is None) != (pad is None):
             self._graphs.clear()
