@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from reliability_runs import job_args
 from titan_draft.config import ConfigManager
@@ -17,7 +16,8 @@ HOLDOUT = 8
 
 
 def _run(tmp_path, name, chat_jsonl, target, *extra):
-    """Train 4 steps; ``(losses, {step: val scalars}, trainer)`` (the trainer closed)."""
+    """Train 4 steps; ``(losses, {step: scalars logged}, val scalars of one more validation
+    after the end or None, trainer)`` (the trainer closed)."""
     trainer = Trainer(ConfigManager().parse_args(job_args(
         tmp_path / name, chat_jsonl, target, "--training.steps", "4", "--data.holdout_rows", str(HOLDOUT),
         "--checkpoint.enable", "false", *extra)))
@@ -81,4 +81,3 @@ def test_bad_validation_config_is_one_line(tmp_path, chat_jsonl, random_target_d
                                               "--validation.enable", "true", *extra))
     with pytest.raises(ConfigError, match=message):
         validate_job_config(cfg)
-    torch.manual_seed(0)
