@@ -213,15 +213,9 @@ def _read_counts_at(step_dir: str) -> list[int]:
 
 
 def _torchrun(nprocs: int, argv: list[str]) -> str:
-    import subprocess
-    import sys
+    from trainer_runs import torchrun
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
-           "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs), "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", "-m", "titan_draft.train", *argv]
-    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    proc = torchrun(nprocs, "-m", "titan_draft.train", *argv)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout + proc.stderr
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from titan_draft.config import JobConfig
 from titan_draft.distributed.utils import ParallelDims
+from trainer_runs import torchrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,11 +35,7 @@ def test_hsdp_equals_fsdp_resumes_and_loads_fsdp_checkpoints(tmp_path, random_ta
             "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
             "--profiling.enable_profiling", "false", "--checkpoint.export", "false", "--eval.enable", "false"]
     out = tmp_path / "losses.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
-           "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", os.path.join(REPO, "tests", "hsdp_worker.py"), str(out), *base]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = torchrun(4, os.path.join(REPO, "tests", "hsdp_worker.py"), str(out), *base, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     runs = {k: {int(s): v for s, v in r.items()} for k, r in json.loads(out.read_text()).items()}
     fsdp, hsdp = runs["fsdp"], runs["hsdp"]

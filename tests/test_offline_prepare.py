@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from offline_cache import REPO, job_argv, prepare_cache
+from offline_cache import job_argv, prepare_cache
 from titan_draft.data.feature_manifest import load_manifest
 from titan_draft.data.feature_writer import ShardWriter
+from trainer_runs import torchrun
 
 
 def _shards(folder, manifest):
@@ -99,11 +98,7 @@ def test_two_rank_prepare_and_offline_training(tmp_path, random_target_dir, chat
     argv = job_argv("dflash2", tmp_path / "dump", random_target_dir, chat_jsonl)
     options = ["--storage", "float32", "--shard-mb", "0.03"]
     prepare_cache(tmp_path / "one", argv, *options)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-                "--rdzv_endpoint", "localhost:0"]
-    proc = subprocess.run([*torchrun, "scripts/prepare_features.py", "--out", str(tmp_path / "two"), *options, *argv],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = torchrun(2, "scripts/prepare_features.py", "--out", str(tmp_path / "two"), *options, *argv)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     one, one_rows = _rows(tmp_path / "one")
     two, two_rows = _rows(tmp_path / "two")
@@ -116,8 +111,7 @@ def test_two_rank_prepare_and_offline_training(tmp_path, random_target_dir, chat
     # two training ranks on the cache: each reads its own shards (disjoint rows) and the job runs
     train = job_argv("dflash2", tmp_path / "train", random_target_dir, chat_jsonl, "--training.steps", "2",
                      "--data.feature_cache", str(tmp_path / "two"))
-    proc = subprocess.run([*torchrun, "-m", "titan_draft.train", *train], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = torchrun(2, "-m", "titan_draft.train", *train)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     info = json.loads((tmp_path / "train" / "run_info.json").read_text())
     assert info["world_size"] == 2 and info["features"].startswith(f"offline: {tmp_path / 'two'}")

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ from titan_draft.components.export import load_export
 from titan_draft.config import ConfigManager
 from titan_draft.data.pipeline import epoch_samples
 from titan_draft.data.tokenizer import build_tokenizer
-from trainer_runs import REPO, debug_job_argv
+from trainer_runs import REPO, debug_job_argv, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -38,13 +36,8 @@ def two_rank_runs(tmp_path_factory, random_target_dir, chat_jsonl):
     jobs = {name: debug_job_argv(name, root / name, random_target_dir, chat_jsonl, *F8_JOB, max_length=64)
             for name in DRAFTS}
     (root / "jobs.json").write_text(json.dumps(jobs))
-    # faulthandler: a native abort in a rank prints its Python stacks into the captured stderr
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
-           "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-           "--rdzv_endpoint", "localhost:0", os.path.join(REPO, "tests", "two_rank_worker.py"),
-           str(root / "jobs.json"), str(root)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = torchrun(2, os.path.join(REPO, "tests", "two_rank_worker.py"), str(root / "jobs.json"), str(root),
+                    timeout=900)
     ranks = [json.loads(p.read_text()) if p.exists() else {} for p in (root / "rank0.json", root / "rank1.json")]
 
     def run(name):

@@ -4,6 +4,8 @@ right after a checkpoint, and the kill-and-resume check every draft's e2e test m
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +33,17 @@ def debug_job_argv(draft: str, dump, target: str, data: str, *extra: str, max_le
     return ["--job.config_file", debug_config(draft), "--job.dump_folder", str(dump), "--target.path", target,
             "--data.source", data, "--data.max_length", str(max_length), "--metrics.log_freq", "1",
             "--metrics.enable_tensorboard", "false", "--profiling.enable_profiling", "false", *extra]
+
+
+def torchrun(nprocs: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run ... args`` on ``nprocs`` local ranks from the repo root,
+    output captured: one thread per rank (the CPU has few cores), the repo importable, and
+    faulthandler on, so a rank's native abort prints its Python stacks into the output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+           "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs), "--rdzv_backend", "c10d",
+           "--rdzv_endpoint", "localhost:0", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def run_training(argv: list[str], crash_after_step: int | None = None,
