@@ -5,6 +5,8 @@ target's own answers, rendered in the chat format it will be served with. This s
 SpecForge users do with an SGLang server, in plain PyTorch: the first user turn of each row of
 ``--source`` (after ``--skip-rows``, e.g. the job's ``data.holdout_rows``) is rendered with the
 generation prompt and answered greedily or by sampling, batched with a left-padded KV cache.
+Greedy answers a prompt the source repeats once; later rows asking a held-out prompt are not
+answered (data/sources.py: split_rows).
 
     python scripts/regenerate_data.py --target outputs/targets/smollm2 --out outputs/data/smollm2_regen \\
         --num-prompts 20000 --max-new-tokens 512
@@ -32,7 +34,7 @@ from titan_draft.components.cuda_graphs import maybe_graphed  # noqa: E402
 from titan_draft.components.target import load_target  # noqa: E402
 from titan_draft.data.chat_template import resolve_template  # noqa: E402
 from titan_draft.data.prompts import first_query, render_prompt, stop_token_ids  # noqa: E402
-from titan_draft.data.sources import load_rows  # noqa: E402
+from titan_draft.data.sources import prompt_key, split_rows  # noqa: E402
 from titan_draft.data.system_prompt import resolve_system_prompt  # noqa: E402
 from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
 
@@ -130,6 +132,31 @@ def _rewrite(path: str, rows: list[tuple[int, str]]) -> None:
     os.replace(path + ".tmp", path)
 
 
+def distinct_prompts(rows: list, *, greedy: bool) -> tuple[list[int], int]:
+    """Indices of the rows to answer and how many were left out: greedy decoding answers a
+    repeated prompt ("continue", "hi": ShareGPT repeats thousands) the same way every time, so
+    each distinct prompt is answered once (its first row); sampling answers every row."""
+    if not greedy:
+        return list(range(len(rows))), 0
+    asked, seen = [], set()
+    for i, row in enumerate(rows):
+        key = prompt_key(row)
+        if key is None or key not in seen:  # an unusable row is kept, to be skipped and counted
+            seen.add(key)
+            asked.append(i)
+    return asked, len(rows) - len(asked)
+
+
+def batch_order(todo: list, batch_size: int, window_batches: int = 16) -> list:
+    """``todo`` (in source order) sorted by prompt length within windows of ``window_batches``
+    batches: similar lengths batch with little padding, and a run cut short by --max-seconds has
+    answered a fair sample of the source, not its shortest prompts (which were all "continue",
+    "hi" and the like when the whole list was sorted at once)."""
+    window = batch_size * window_batches
+    return [item for s in range(0, len(todo), window)
+            for item in sorted(todo[s : s + window], key=lambda item: len(item[2]))]
+
+
 def main(argv=None) -> None:
     a = _parse(sys.argv[1:] if argv is None else argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -140,7 +167,7 @@ def main(argv=None) -> None:
         tokenizer = build_tokenizer(a.target)
         template = resolve_template(a.chat_template, tokenizer)
         system_prompt = resolve_system_prompt(a.system_prompt, tokenizer, template)
-        rows, total = load_rows(a.source, max_rows=a.num_prompts, skip_rows=a.skip_rows)
+        split = split_rows(a.source, max_rows=a.num_prompts, skip_rows=a.skip_rows)
     except ValueError as e:
         raise SystemExit(f"regenerate_data: error: {e}") from None
     target = maybe_graphed(load_target(a.target, dtype=dtype, device=device), device, not a.no_cuda_graphs)
@@ -152,17 +179,18 @@ def main(argv=None) -> None:
     _rewrite(part, previous)  # drops a line an interruption cut, before appending
     done = {row for row, _ in previous}
     todo, skipped = [], 0
-    for i in range(rank, len(rows), world):
-        turns = first_query(rows[i])
+    asked, repeats = distinct_prompts(split.rows, greedy=a.temperature == 0)
+    for i in asked[rank::world]:
+        turns = first_query(split.rows[i])
         if turns is None:
             skipped += 1
             continue
         ids = render_prompt(turns, tokenizer, template, system_prompt, enable_thinking=thinking)
         if len(ids) > a.max_prompt_tokens:
             skipped += 1
-        elif a.skip_rows + i not in done:
-            todo.append((a.skip_rows + i, turns, ids))
-    todo.sort(key=lambda item: len(item[2]))  # similar lengths batch with little padding
+        elif split.positions[i] not in done:
+            todo.append((split.positions[i], turns, ids))
+    todo = batch_order(todo, a.batch_size)
     gen = torch.Generator(device=device).manual_seed(a.seed + rank)
     start, written, unfinished = time.perf_counter(), 0, 0
     with open(part, "a", encoding="utf-8") as f:
@@ -188,7 +216,8 @@ def main(argv=None) -> None:
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
     _rewrite(part, _rows_of(part))
     settings = {"target": os.path.abspath(a.target), "source": a.source, "skip_rows": a.skip_rows,
-                "rows_read": total, "chat_template": template, "system_prompt": system_prompt,
+                "rows_read": split.total, "held_out_repeats": split.held_out_repeats, "repeated_prompts": repeats,
+                "chat_template": template, "system_prompt": system_prompt,
                 "enable_thinking": thinking, "max_new_tokens": a.max_new_tokens,
                 "max_prompt_tokens": a.max_prompt_tokens, "temperature": a.temperature, "top_p": a.top_p,
                 "seed": a.seed, "dtype": str(dtype).removeprefix("torch."), "world_size": world}

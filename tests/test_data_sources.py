@@ -7,12 +7,14 @@ import logging
 import pytest
 
 from titan_draft.data.chat_template import Turn
+from titan_draft.data.source_files import _iter_json_list
 from titan_draft.data.sources import (
     BAD_JSON,
     SKIP_REASONS,
-    _iter_json_list,
     load_rows,
     normalize_row,
+    prompt_key,
+    split_rows,
 )
 
 
@@ -140,7 +142,7 @@ def test_folder_of_both_row_forms(tmp_path, caplog):
     (tmp_path / "c_openai_lines.json").write_text(lines(_msg_row(i) for i in (4, 5)))
     (tmp_path / "nested").mkdir()  # not read, and said so
     (tmp_path / "nested" / "d.jsonl").write_text(json.dumps(_row(99)) + "\n")
-    with caplog.at_level(logging.INFO, logger="titan_draft.data.sources"):
+    with caplog.at_level(logging.INFO, logger="titan_draft.data.source_files"):
         rows, total = load_rows(str(tmp_path))
     assert "subfolders" in caplog.text and "nested" in caplog.text
     assert total == 6 and [r["id"] for r in rows] == list(range(6))
@@ -196,3 +198,39 @@ def test_packaged_sharegpt():
     assert any(turn.role == "assistant" for turn in turns)
     first, _ = load_rows("sharegpt", max_rows=1)
     assert first[0]["id"] == "QWJhYvA_0"
+
+
+def _asks(q, a="x", system=None):
+    turns = ([("system", system)] if system else []) + [("human", q), ("gpt", a)]
+    return _conv(*turns)
+
+
+def test_held_out_prompts_are_never_trained_on(tmp_path):
+    # rows 0-2 are held out; later rows asking "continue" or "hi" (their prompts) are left out too,
+    # even with another answer; another system turn makes another prompt; repeats of a training
+    # prompt stay (only held-out prompts are kept apart)
+    rows = [_asks("continue"), _asks("hi"), _conv(("gpt", "no prompt")),
+            _asks("q3"), _asks("continue", "other answer"), _asks("q5"), _asks("hi"),
+            _asks("hi", system="be brief"), _asks("q5"), _asks("q9")]
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    split = split_rows(str(p), skip_rows=3)
+    assert split.positions == [3, 5, 7, 8, 9] and split.total == 5 and split.held_out_repeats == 2
+    assert split.rows == [rows[i] for i in split.positions]
+    assert load_rows(str(p), skip_rows=3) == (split.rows, 5)
+    # DP ranks split the remaining rows, disjoint and together all of them
+    parts = [split_rows(str(p), skip_rows=3, dp_rank=r, dp_world=2) for r in (0, 1)]
+    assert [s.positions for s in parts] == [[3, 7, 9], [5, 8]] and {s.total for s in parts} == {5}
+    # max_rows counts the rows kept
+    assert split_rows(str(p), skip_rows=3, max_rows=2).positions == [3, 5]
+    # without held-out rows nothing is left out
+    assert split_rows(str(p)).positions == list(range(10))
+    assert prompt_key(rows[4]) == prompt_key(rows[0]) == (("user", "continue"),)
+    assert prompt_key(rows[2]) is None and prompt_key(BAD_JSON) is None
+
+
+def test_held_out_repeats_that_leave_nothing_are_named(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps(_asks("continue")) + "\n" for _ in range(4)))
+    with pytest.raises(ValueError, match=r"no rows after the 1 held-out rows \(data.holdout_rows\) and the 3 that"):
+        load_rows(str(p), skip_rows=1)

@@ -75,6 +75,17 @@ def test_holdout_rows_are_never_trained_on(tmp_path, tok):
                           num_prompts=0, data_source=source, holdout_rows=0)
 
 
+def test_holdout_prompts_repeated_in_the_source_are_asked_once(tmp_path, tok):
+    # held-out rows 0-3 ask question 0 twice; training then also leaves out rows 4 and 6, which
+    # ask held-out questions again
+    source = _jsonl(tmp_path / "chats.jsonl", [_conv(i) for i in (0, 1, 0, 2, 0, 5, 1, 7)])
+    held = load_eval_prompts(["holdout"], tok, template="chatml", system_prompt="", enable_thinking=True,
+                             num_prompts=0, data_source=source, holdout_rows=4)
+    assert [p.name for p in held] == ["holdout:0", "holdout:1", "holdout:3"]
+    rows, total = load_rows(source, skip_rows=4)
+    assert total == 2 and [r["conversations"][0]["value"] for r in rows] == ["question 5", "question 7"]
+
+
 def test_jsonl_prompts_limits_and_errors(tmp_path, tok):
     path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "short"}, _conv(1), {"prompt": "x " * 200}])
     kw = dict(template="chatml", system_prompt="", enable_thinking=True)

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from scripts.regenerate_data import generate, main
+from scripts.regenerate_data import batch_order, generate, main
 from titan_draft import load_target
 from titan_draft.components.speculative import greedy_decode
 from titan_draft.data.chat_template import Turn
@@ -111,3 +111,37 @@ def test_ranks_split_the_prompts(tmp_path, random_target_dir, monkeypatch):
              for r in (0, 1)]
     assert parts == [[0, 2, 4], [1, 3]]
     assert load_rows(str(out))[1] == 5
+
+
+def _asking(path, questions):
+    with open(path, "w") as f:
+        for q in questions:
+            f.write(json.dumps({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "old"}]}) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("temperature, answered", [("0", [1, 3, 5]), ("1.0", [1, 3, 4, 5])])
+def test_repeated_and_held_out_prompts(tmp_path, random_target_dir, temperature, answered):
+    """Row 0 is held out: row 2, asking its prompt again, is never answered. Greedy answers row 4
+    (row 1's prompt again) once, as row 1; sampling answers it anew."""
+    questions = ["q0", "q1", "q0", "q2", "q1", "q3"]
+    source = _asking(tmp_path / "chats.jsonl", questions)
+    out = tmp_path / "regen"
+    main(["--target", random_target_dir, "--out", str(out), "--source", source, "--skip-rows", "1",
+          "--max-new-tokens", "2", "--dtype", "float32", "--temperature", temperature])
+    rows, _ = load_rows(str(out))
+    assert [r["source_row"] for r in rows] == answered
+    assert [r["conversations"][0]["value"] for r in rows] == [questions[i] for i in answered]
+    settings = json.loads((out / "meta" / "settings-00000.json").read_text())
+    assert settings["held_out_repeats"] == 1 and settings["repeated_prompts"] == (temperature == "0")
+
+
+def test_batch_order_sorts_within_windows_of_the_source():
+    # prompt lengths falling along the source: a whole-list sort would answer the last rows first
+    todo = [(i, None, [0] * (100 - i)) for i in range(40)]
+    got = batch_order(todo, batch_size=2, window_batches=4)
+    assert sorted(got) == sorted(todo)
+    for w in range(0, 40, 8):  # each window of 8 holds its own source rows, shortest first
+        window = got[w : w + 8]
+        assert {i for i, _, _ in window} == set(range(w, w + 8))
+        assert [len(ids) for _, _, ids in window] == sorted(len(ids) for _, _, ids in window)

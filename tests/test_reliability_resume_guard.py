@@ -81,6 +81,22 @@ def test_another_split_of_the_same_global_batch_is_not_a_change(tmp_path):
                                         "training.local_batch_size": 1}, reset=False)
 
 
+def test_a_position_saved_before_repeats_of_held_out_prompts_were_left_out_is_refused(tmp_path):
+    from titan_draft.components.resume_guard import build_data_keys, check_data_keys, write_data_keys
+
+    def keys(holdout_rows):
+        cfg = ConfigManager().parse_args(["--data.holdout_rows", str(holdout_rows)])
+        return build_data_keys(cfg, chat_template="chatml", system_prompt="", dp_world=1)
+
+    older = {k: v for k, v in keys(8).items() if k != "data.holdout_split"}  # what an older version saved
+    write_data_keys(str(tmp_path), older)
+    with pytest.raises(ValueError, match=r"\(data.holdout_split null -> \"held-out rows and later rows asking"):
+        check_data_keys(str(tmp_path), keys(8), reset=False)
+    # without held-out rows the split is the same as before: nothing to refuse
+    write_data_keys(str(tmp_path), keys(0))
+    assert "data.holdout_split" not in keys(0) and check_data_keys(str(tmp_path), keys(0), reset=False) is False
+
+
 def test_a_refused_resume_is_one_line_from_the_cli(tmp_path, chat_jsonl, random_target_dir, capsys):
     from titan_draft.cli import run_cli
     from titan_draft.components.resume_guard import ResumeRefusedError

@@ -85,7 +85,7 @@ def _check_rows(cfg) -> None:
     except ValueError as e:
         raise ValueError(f"data.chat_template: {e}") from None
     probe = min(d.max_rows, PROBE_ROWS) if d.max_rows else PROBE_ROWS
-    with _quiet("titan_draft.data.sources", "titan_draft.data.source_report"):
+    with _quiet("titan_draft.data.source_files", "titan_draft.data.source_report"):
         rows, total = load_rows(d.source, max_rows=probe, skip_rows=d.holdout_rows)
     node = ChatSourceNode(rows, tokenizer, template=template, max_length=d.max_length, seed=0, shuffle=False,
                           system_prompt=resolve_system_prompt(d.system_prompt, tokenizer, template),

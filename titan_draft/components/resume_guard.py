@@ -34,10 +34,16 @@ class ResumeRefusedError(ValueError):
     else, or cannot move to this DP size): the CLI prints it as one line."""
 
 
+# How held-out rows are split off (data/sources.py: split_rows). Versions before this one kept the
+# later rows that repeat a held-out prompt, so their saved positions count rows differently.
+HOLDOUT_SPLIT = "held-out rows and later rows asking their prompts"
+
+
 def build_data_keys(cfg, *, chat_template: str, system_prompt: str, dp_world: int) -> dict[str, Any]:
     """The job keys a data position depends on (template and system prompt as resolved)."""
     d, t = cfg.data, cfg.training
-    return {
+    split = {"data.holdout_split": HOLDOUT_SPLIT} if d.holdout_rows else {}
+    return {**split,
         "data.source": d.source,
         "data.max_rows": d.max_rows,
         "data.holdout_rows": d.holdout_rows,

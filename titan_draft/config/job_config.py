@@ -90,8 +90,10 @@ class Data:
     own chat template adds (SmolLM2's "You are a helpful AI assistant named SmolLM, ..."; none
     for Qwen3 and Llama-3), empty for none, any other text for that text."""
     holdout_rows: int = 0
-    """Hold out the first N rows of data.source: training reads the rows after them, and the
-    eval's 'holdout' prompts are their first user turns (the split is written to run_info.json)."""
+    """Hold out the first N rows of data.source: training reads the rows after them, less those
+    that ask a held-out prompt again (chat dumps repeat "continue" and "hi" hundreds of times), and
+    the eval's 'holdout' prompts are their distinct first user turns (the split is written to
+    run_info.json)."""
     feature_cache: str = ""
     """Offline mode: a folder written by scripts/prepare_features.py for this job. Training reads
     the target's captured features from it instead of running the target (whose embedding and

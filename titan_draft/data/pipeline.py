@@ -20,7 +20,7 @@ from titan_draft.data.chat_template import check_template, resolve_template
 from titan_draft.data.loader_state import RankStateLoader
 from titan_draft.data.reshard import reshard_position
 from titan_draft.data.source_node import STATE_KEY, ChatSourceNode, Sample
-from titan_draft.data.sources import load_rows
+from titan_draft.data.sources import split_rows
 from titan_draft.data.synthetic_source import build_synthetic_source, is_synthetic_source
 from titan_draft.data.system_prompt import resolve_system_prompt
 from titan_draft.data.tokenizer import Tokenizer
@@ -173,10 +173,11 @@ def epoch_samples(data_cfg: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world
 def _chat_source(data_cfg: Any, tokenizer: Tokenizer, template: str, *, dp_rank: int, dp_world: int, seed: int,
                  static_shapes: bool, reserved_ids: frozenset[int], warn_below_rows: int = 0) -> ChatSourceNode:
     """This DP rank's conversations of ``data.source``, rendered with ``template``."""
-    rows, total = load_rows(
+    split = split_rows(
         data_cfg.source, max_rows=data_cfg.max_rows, dp_rank=dp_rank, dp_world=dp_world,
         skip_rows=data_cfg.holdout_rows,
     )
+    rows, total = split.rows, split.total
     if not rows:
         raise ValueError(
             f"data.source: {total} rows (data.max_rows={data_cfg.max_rows}) leave DP rank "
@@ -187,7 +188,10 @@ def _chat_source(data_cfg: Any, tokenizer: Tokenizer, template: str, *, dp_rank:
         chat_format += f" (enable_thinking={data_cfg.enable_thinking})"
     if data_cfg.last_turn_only:
         chat_format += ", last assistant turn only"
-    held_out = f" after {data_cfg.holdout_rows} held-out rows" if data_cfg.holdout_rows else ""
+    held_out = ""
+    if data_cfg.holdout_rows:
+        held_out = (f" after {data_cfg.holdout_rows} held-out rows and {split.held_out_repeats} that repeat "
+                    "their prompts")
     logger.info(
         "data: %s, %d rows%s, %d on DP rank %d/%d, template %s, max_length %d, %s shapes",
         data_cfg.source, total, held_out, len(rows), dp_rank, dp_world, chat_format,
@@ -208,8 +212,6 @@ def _chat_source(data_cfg: Any, tokenizer: Tokenizer, template: str, *, dp_rank:
         enable_thinking=data_cfg.enable_thinking,
         last_turn_only=data_cfg.last_turn_only,
         reserved_ids=reserved_ids,
-        # rank r owns rows r, r + dp_world, ... after the held-out ones
         warn_below_rows=warn_below_rows,
-        describe_row=lambda i: (f"row {data_cfg.holdout_rows + i * dp_world + dp_rank} (0-based) of "
-                                f"data.source {data_cfg.source}"),
+        describe_row=lambda i: f"row {split.positions[i]} (0-based) of data.source {data_cfg.source}",
     )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_draft.data.chat_template import Turn, _render, check_template
-from titan_draft.data.sources import load_rows, normalize_row
+from titan_draft.data.sources import load_rows, normalize_row, prompt_key
 from titan_draft.data.tokenizer import Tokenizer
 
 __all__ = ["EvalPrompt", "PROMPT_SOURCES", "first_query", "load_eval_prompts", "mtbench_questions",
@@ -118,8 +118,8 @@ def load_eval_prompts(sources: list[str], tokenizer: Tokenizer, *, template: str
     """The first ``num_prompts`` (0: all) prompts of each source, rendered.
 
     Sources: ``mtbench``; ``holdout`` (the first user turn of the ``holdout_rows`` rows of
-    ``data_source`` that training never reads; unusable rows are passed over); a ``.jsonl``
-    path. Prompts longer than ``max_prompt_tokens`` (> 0) are left out.
+    ``data_source`` that training never reads; unusable rows and repeated prompts are passed
+    over); a ``.jsonl`` path. Prompts longer than ``max_prompt_tokens`` (> 0) are left out.
     """
     out: list[EvalPrompt] = []
     for source in sources:
@@ -130,7 +130,12 @@ def load_eval_prompts(sources: list[str], tokenizer: Tokenizer, *, template: str
                 raise ValueError("eval.prompts: 'holdout' needs data.holdout_rows > 0 (rows of "
                                  "data.source kept out of training)")
             rows, _ = load_rows(data_source, max_rows=holdout_rows)
-            named = [(f"holdout:{i}", t) for i, t in ((i, first_query(r)) for i, r in enumerate(rows)) if t]
+            named, asked = [], set()
+            for i, row in enumerate(rows):  # a prompt the held-out rows repeat is asked once
+                turns, key = first_query(row), prompt_key(row)
+                if turns and key not in asked:
+                    asked.add(key)
+                    named.append((f"holdout:{i}", turns))
         elif source.endswith(".jsonl") and os.path.isfile(source):
             named = _file_prompts(source)
         else:

