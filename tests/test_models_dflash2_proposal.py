@@ -153,7 +153,8 @@ def test_graphed_proposals_equal_eager_ones(target, flavor):
     draft.load_frozen_tables(tgt.embed_weight(), tgt.lm_head_weight())
     ids = torch.randint(0, VOCAB - 1, (1, 600), generator=torch.Generator().manual_seed(5)).to(dev)
     aux = tgt.capture(ids, LAYERS, False)[0][0]
-    eager, graphed = DFlashProposer(draft, graphs=False), DFlashProposer(draft, graphs=True)
+    eager, graphed = DFlashProposer(draft, graphs=False), DFlashProposer(draft)
+    assert graphed.graphs  # the default on a CUDA device
     for p in (eager, graphed):
         p.reset(64)
     pos = 0
@@ -169,3 +170,4 @@ def test_graphed_proposals_equal_eager_ones(target, flavor):
 def test_graphs_need_a_gpu(target):
     with pytest.raises(ValueError, match="graphs=True needs a CUDA device, the draft is on cpu"):
         DFlashProposer(_draft(target, "debugmodel"), graphs=True)
+    assert not DFlashProposer(_draft(target, "debugmodel")).graphs  # the default off a CUDA device

@@ -10,9 +10,10 @@ and the anchor token live on the device, and the block attends to all context sl
 of the filled ones. So on a GPU a proposer's whole ``propose`` (block forward, lm_head, the walk
 over the slots) can be captured once as a CUDA graph and replayed (``graphs=True``): at batch 1
 the eager forward is bound by kernel launches (a DFlash2 round spent ~15 ms of host time
-drafting against ~4 ms for the target's graphed verify pass). It is opt-in
-(``--proposer-option graphs=true``) until it has run on a GPU: its test
-(``tests/test_models_dflash2_proposal.py``) skips without one.
+drafting against ~4 ms for the target's graphed verify pass). It is the default on a CUDA
+device: on the H200 (2026-12-01) graphed proposals equalled eager ones
+(``tests/test_models_dflash2_proposal.py``) and a SmolLM2 DFlash2 proposal took 1.45 ms instead of
+11.99 (``scripts/bench_decode.py``); ``--proposer-option graphs=false`` drafts eagerly.
 """
 
 from __future__ import annotations
@@ -31,17 +32,17 @@ class BlockDecoder:
 
     Args:
         draft: the draft.
-        graphs: replay proposals as CUDA graphs (needs a CUDA device).
+        graphs: replay proposals as CUDA graphs (needs a CUDA device); None: on a CUDA device.
     """
 
-    def __init__(self, draft, graphs: bool = False):
+    def __init__(self, draft, graphs: bool | None = None):
         if draft.target_lm_head.shape[0] == 0:
             raise RuntimeError(f"{type(self).__name__}: call load_frozen_tables() on the draft first")
         self.draft = draft
         weight = draft.fc.weight
         self.dtype, self.device = weight.dtype, weight.device
         self.acc_dtype = torch.promote_types(self.dtype, torch.float32)
-        self.graphs = bool(graphs)
+        self.graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
         if self.graphs and self.device.type != "cuda":
             raise ValueError(f"{type(self).__name__}: graphs=True needs a CUDA device, the draft is on {self.device}")
         b = draft.args.block_size

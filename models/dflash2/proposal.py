@@ -19,7 +19,7 @@ class DFlashProposer(BlockDecoder):
     """:class:`~titan_draft.protocols.proposer.Proposer` of a plain (unsharded, eval-mode)
     :class:`DFlash2Draft` with its frozen tables loaded."""
 
-    def __init__(self, draft: DFlash2Draft, max_len: int = 0, graphs: bool = False):
+    def __init__(self, draft: DFlash2Draft, max_len: int = 0, graphs: bool | None = None):
         super().__init__(draft, graphs)
         a = draft.args
         self.num_draft_tokens = a.block_size - 1
