@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
+
+from titan_draft.data.safetensors_stream import write_safetensors
 
 __all__ = ["FORMAT", "STORAGE_DTYPES", "ShardReader", "dequantize", "file_sha256", "hidden_key",
            "quantize", "write_shard"]
@@ -89,15 +90,11 @@ def write_shard(path: str, *, input_ids: list[list[int]], loss_mask: list[list[b
     for name, rows in named.items():
         for suffix, t in quantize(torch.cat(rows), storage).items():
             tensors[name + suffix] = t
-    data = save(tensors, metadata={"format": FORMAT, "storage": storage})
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    size, sha256 = write_safetensors(tmp, tensors, {"format": FORMAT, "storage": storage})
     os.replace(tmp, path)  # the shard appears whole or not at all
-    return {"file": os.path.basename(path), "rows": len(lengths), "tokens": sum(lengths), "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest()}
+    return {"file": os.path.basename(path), "rows": len(lengths), "tokens": sum(lengths), "bytes": size,
+            "sha256": sha256}
 
 
 def file_sha256(path: str, chunk: int = 1 << 24) -> str:
