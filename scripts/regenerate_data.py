@@ -5,17 +5,21 @@ target's own answers, rendered in the chat format it will be served with. This s
 SpecForge users do with an SGLang server, in plain PyTorch: the first user turn of each row of
 ``--source`` (after ``--skip-rows``, e.g. the job's ``data.holdout_rows``) is rendered with the
 generation prompt and answered greedily or by sampling, batched with a left-padded KV cache.
-Greedy answers a prompt the source repeats once; later rows asking a held-out prompt are not
-answered (data/sources.py: split_rows).
+A prompt the source repeats is answered once per pass; later rows asking a held-out prompt are not
+answered (data/sources.py: split_rows). A second, sampled pass into the same folder (``--tag``)
+gives every prompt another answer: more training text from the same prompts.
 
     python scripts/regenerate_data.py --target outputs/targets/smollm2 --out outputs/data/smollm2_regen \\
         --num-prompts 20000 --max-new-tokens 512
+    python scripts/regenerate_data.py ... --skip-rows 200 --temperature 0.7 --top-p 0.9 --tag t07
     torchrun --nproc_per_node 8 scripts/regenerate_data.py ...   (rank r answers prompts r, r + W, ...)
 
-``--out`` becomes a folder that ``data.source`` reads: ``part-<rank>.jsonl`` files of ShareGPT
-rows in source order (``source_row`` and ``finished`` kept beside the conversation) and
-``meta/settings-<rank>.json`` with the target, sampling settings and counts. An interrupted run
-resumes: rows already in a part file are not answered again.
+``--out`` becomes a folder that ``data.source`` reads: ``part-[<tag>-]<rank>.jsonl`` files of
+ShareGPT rows in source order (``source_row`` and ``finished`` kept beside the conversation) and
+``meta/settings-[<tag>-]<rank>.json`` with the target, sampling settings and counts. An
+interrupted run resumes: rows already in its part file are not answered again. Untagged parts sort
+first, so ``data.holdout_rows`` holds out rows of the first pass (pass ``--skip-rows`` with the
+same count to a tagged pass, or split_rows drops its rows that ask a held-out prompt).
 """
 
 from __future__ import annotations
@@ -55,9 +59,12 @@ def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generat
 
 @torch.no_grad()
 def generate(target, prompts: list[list[int]], *, max_new_tokens: int, stop_ids, pad_id: int,
-             temperature: float = 0.0, top_p: float = 1.0, generator=None) -> list[tuple[list[int], bool]]:
+             temperature: float = 0.0, top_p: float = 1.0, generator=None,
+             vocab_limit: int | None = None) -> list[tuple[list[int], bool]]:
     """Answer a batch of prompts: ``(new tokens, finished)`` per prompt, the stop token
-    included when it came (``finished``). Greedy answers equal one-at-a-time greedy decoding."""
+    included when it came (``finished``). Greedy answers equal one-at-a-time greedy decoding.
+    ``vocab_limit``: only ids below it are chosen (the model's embedding may have padding rows
+    past the tokenizer's ids, which an answer could not be written with)."""
     width = max(len(p) for p in prompts)
     pad = torch.tensor([width - len(p) for p in prompts])
     cache = target.new_cache(len(prompts), width + max_new_tokens, pad=pad)
@@ -69,6 +76,8 @@ def generate(target, prompts: list[list[int]], *, max_new_tokens: int, stop_ids,
     steps = 0
     while steps < max_new_tokens:
         logits = target(inp, cache=cache, logits="last", need_last_hidden=False).logits[:, -1]
+        if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+            logits = logits[:, :vocab_limit]
         nxt = torch.where(done, pad_id, _next_tokens(logits, temperature, top_p, generator))
         out[:, steps] = nxt
         steps += 1
@@ -104,6 +113,7 @@ def _parse(argv):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode eagerly (default on a GPU: each batch's decode step replays as a CUDA graph)")
+    p.add_argument("--tag", default="", help="name of this pass: its own part files beside the others in --out")
     p.add_argument("--max-seconds", type=float, default=0,
                    help="start no new batch after this long (0: no limit); run again to continue")
     return p.parse_args(argv)
@@ -132,12 +142,11 @@ def _rewrite(path: str, rows: list[tuple[int, str]]) -> None:
     os.replace(path + ".tmp", path)
 
 
-def distinct_prompts(rows: list, *, greedy: bool) -> tuple[list[int], int]:
-    """Indices of the rows to answer and how many were left out: greedy decoding answers a
-    repeated prompt ("continue", "hi": ShareGPT repeats thousands) the same way every time, so
-    each distinct prompt is answered once (its first row); sampling answers every row."""
-    if not greedy:
-        return list(range(len(rows))), 0
+def distinct_prompts(rows: list) -> tuple[list[int], int]:
+    """Indices of the rows to answer and how many were left out: each distinct prompt is answered
+    once a pass (its first row). Greedy decoding answers a repeated prompt ("continue", "hi":
+    ShareGPT repeats thousands) the same way every time, and sampling it 200 times would make
+    "continue" a large share of the data; a tagged pass is the way to another sample."""
     asked, seen = [], set()
     for i, row in enumerate(rows):
         key = prompt_key(row)
@@ -174,12 +183,16 @@ def main(argv=None) -> None:
     stops = stop_token_ids(tokenizer, template)
     thinking = a.enable_thinking == "true"
     os.makedirs(os.path.join(a.out, "meta"), exist_ok=True)
-    part = os.path.join(a.out, f"part-{rank:05d}.jsonl")
+    # a letter first, so tagged parts sort after the untagged ones (the held-out rows stay first)
+    if a.tag and not (a.tag[0].isascii() and a.tag[0].isalpha() and a.tag.replace("-", "").replace("_", "").isalnum()):
+        raise SystemExit(f"regenerate_data: error: --tag {a.tag!r}: a letter, then letters, digits, '-' or '_'")
+    name = f"{a.tag}-{rank:05d}" if a.tag else f"{rank:05d}"
+    part = os.path.join(a.out, f"part-{name}.jsonl")
     previous = _rows_of(part)
     _rewrite(part, previous)  # drops a line an interruption cut, before appending
     done = {row for row, _ in previous}
     todo, skipped = [], 0
-    asked, repeats = distinct_prompts(split.rows, greedy=a.temperature == 0)
+    asked, repeats = distinct_prompts(split.rows)
     for i in asked[rank::world]:
         turns = first_query(split.rows[i])
         if turns is None:
@@ -202,7 +215,7 @@ def main(argv=None) -> None:
             chunk = todo[s : s + a.batch_size]
             answers = generate(target, [ids for _, _, ids in chunk], max_new_tokens=a.max_new_tokens,
                                stop_ids=stops, pad_id=tokenizer.pad_id, temperature=a.temperature,
-                               top_p=a.top_p, generator=gen)
+                               top_p=a.top_p, generator=gen, vocab_limit=tokenizer.n_vocab)
             for (row_id, turns, _), (tokens, finished) in zip(chunk, answers):
                 text = tokenizer.decode([t for t in tokens if t not in stops])
                 conv = [{"from": "system" if t.role == "system" else "human", "value": t.content} for t in turns]
@@ -220,11 +233,11 @@ def main(argv=None) -> None:
                 "chat_template": template, "system_prompt": system_prompt,
                 "enable_thinking": thinking, "max_new_tokens": a.max_new_tokens,
                 "max_prompt_tokens": a.max_prompt_tokens, "temperature": a.temperature, "top_p": a.top_p,
-                "seed": a.seed, "dtype": str(dtype).removeprefix("torch."), "world_size": world}
+                "seed": a.seed, "tag": a.tag, "dtype": str(dtype).removeprefix("torch."), "world_size": world}
     counts = {"answered": written, "unfinished": unfinished, "already_done": len(done), "skipped": skipped,
               "left": len(todo) - written,
               "seconds": round(time.perf_counter() - start, 1)}
-    with open(os.path.join(a.out, "meta", f"settings-{rank:05d}.json"), "w") as f:
+    with open(os.path.join(a.out, "meta", f"settings-{name}.json"), "w") as f:
         json.dump({**settings, "rank": rank, **counts}, f, indent=2)
     print(f"rank {rank}: wrote {written} answers to {part} ({unfinished} cut at {a.max_new_tokens} tokens, "
           f"{skipped} prompts unusable or too long)")

@@ -120,10 +120,11 @@ def _asking(path, questions):
     return str(path)
 
 
-@pytest.mark.parametrize("temperature, answered", [("0", [1, 3, 5]), ("1.0", [1, 3, 4, 5])])
-def test_repeated_and_held_out_prompts(tmp_path, random_target_dir, temperature, answered):
-    """Row 0 is held out: row 2, asking its prompt again, is never answered. Greedy answers row 4
-    (row 1's prompt again) once, as row 1; sampling answers it anew."""
+@pytest.mark.parametrize("temperature", ["0", "1.0"])
+def test_repeated_and_held_out_prompts(tmp_path, random_target_dir, temperature):
+    """Row 0 is held out: row 2, asking its prompt again, is never answered. Row 4 (row 1's
+    prompt again) is answered once a pass, as row 1, greedy or sampled."""
+    answered = [1, 3, 5]
     questions = ["q0", "q1", "q0", "q2", "q1", "q3"]
     source = _asking(tmp_path / "chats.jsonl", questions)
     out = tmp_path / "regen"
@@ -133,7 +134,32 @@ def test_repeated_and_held_out_prompts(tmp_path, random_target_dir, temperature,
     assert [r["source_row"] for r in rows] == answered
     assert [r["conversations"][0]["value"] for r in rows] == [questions[i] for i in answered]
     settings = json.loads((out / "meta" / "settings-00000.json").read_text())
-    assert settings["held_out_repeats"] == 1 and settings["repeated_prompts"] == (temperature == "0")
+    assert settings["held_out_repeats"] == 1 and settings["repeated_prompts"] == 1
+
+
+def test_a_tagged_pass_adds_answers_behind_the_first(tmp_path, random_target_dir):
+    """A sampled pass with --tag writes its own part beside the greedy one and resumes on its own;
+    the folder then reads greedy rows first (the held-out ones stay the first rows), then the
+    pass's answers to the same prompts."""
+    source = _chats(tmp_path / "chats.jsonl", 4)
+    out = tmp_path / "regen"
+    base = ["--target", random_target_dir, "--out", str(out), "--source", source, "--max-new-tokens", "4",
+            "--dtype", "float32"]
+    main(base)
+    sampled = base + ["--skip-rows", "1", "--temperature", "1.0", "--seed", "7", "--tag", "t10"]
+    main(sampled)
+    assert sorted(p.name for p in out.iterdir()) == ["meta", "part-00000.jsonl", "part-t10-00000.jsonl"]
+    rows, total = load_rows(str(out))
+    assert total == 7 and [r["source_row"] for r in rows] == [0, 1, 2, 3, 1, 2, 3]
+    settings = json.loads((out / "meta" / "settings-t10-00000.json").read_text())
+    assert settings["tag"] == "t10" and settings["answered"] == 3 and settings["temperature"] == 1.0
+    main(sampled)  # resumes from its own part: nothing answered twice
+    assert load_rows(str(out))[1] == 7
+    assert json.loads((out / "meta" / "settings-t10-00000.json").read_text())["already_done"] == 3
+    assert json.loads((out / "meta" / "settings-00000.json").read_text())["answered"] == 4
+    for bad in ("7x", "a/b", "_a"):
+        with pytest.raises(SystemExit, match="--tag"):
+            main(base + ["--tag", bad])
 
 
 def test_batch_order_sorts_within_windows_of_the_source():
