@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The SmolLM2 GPU recipe end to end -- target folder, two regeneration passes, the 6000-step
+# train_configs/dflash2_smollm2.toml job, true-tau evals -- on a machine lent in command slots of a
+# few minutes. Each run does what fits before DEADLINE (epoch seconds) and stops cleanly; the same
+# command continues where the last one stopped (regeneration and training both resume).
+#   DEADLINE=$(( $(date +%s) + 560 )) bash scripts/dev/smollm2_recipe_slots.sh
+# SOURCE: the chat rows to regenerate (default: the packaged ShareGPT). OUT: logs and eval reports
+# (default outputs/slots). STATE: markers of finished stages (default outputs/slots/state).
+# TRAIN_ARGS: extra job overrides. Used for docs/performance.md's fourth-lease figures.
+set -u
+cd "$(dirname "$0")/../.."
+: "${DEADLINE:?set DEADLINE to the epoch second by which this run must have returned}"
+OUT=${OUT:-outputs/slots}; STATE=${STATE:-outputs/slots/state}; SOURCE=${SOURCE:-sharegpt}
+mkdir -p "$OUT" "$STATE"
+TGT=outputs/targets/smollm2 DATA=outputs/data/smollm2_regen JOB=outputs/dflash2_smollm2 STEPS=6000
+left() { echo $(( DEADLINE - $(date +%s) )); }
+log() { echo "[$(date +%T) ${1:+left $(left)s}] ${*:2}" | tee -a "$OUT/driver.log"; }
+
+if [ ! -f $TGT/config.json ]; then
+  log t "write target"; python3 scripts/write_smollm2_target.py --out $TGT > "$OUT/target.log" 2>&1 || { tail -3 "$OUT/target.log"; exit 1; }
+fi
+
+# a pass is finished when its settings say nothing is left
+finished() { python3 -c "import json,os,sys; p=sys.argv[1]; sys.exit(0 if os.path.isfile(p) and json.load(open(p))['left'] == 0 else 1)" "$1"; }
+for pass in greedy t07; do
+  if [ $pass = greedy ]; then meta=$DATA/meta/settings-00000.json; extra=();
+  else meta=$DATA/meta/settings-t07-00000.json; extra=(--skip-rows 200 --temperature 0.7 --top-p 0.9 --seed 1 --tag t07); fi
+  finished $meta && continue
+  budget=$(( $(left) - 60 )); [ $budget -gt 30 ] || { log t "no time for regeneration pass $pass"; exit 0; }
+  log t "regeneration pass $pass (--max-seconds $budget)"
+  python3 scripts/regenerate_data.py --target $TGT --out $DATA --source "$SOURCE" --max-new-tokens 512 \
+    --batch-size 1024 --max-seconds $budget "${extra[@]}" >> "$OUT/regen-$pass.log" 2>&1
+  tail -1 "$OUT/regen-$pass.log" | tee -a "$OUT/driver.log"
+  finished $meta || exit 0
+done
+
+if [ ! -f "$STATE/trained" ]; then
+  t=$(( $(left) - 45 )); [ $t -gt 90 ] || { log t "no time to train"; exit 0; }
+  log t "train (stopped by SIGTERM after $t s if not done)"
+  # SIGTERM: the trainer finishes its step, saves a checkpoint and exits 0; the next run resumes
+  timeout -s TERM -k 40 $t ./run_train.sh --job.config_file train_configs/dflash2_smollm2.toml ${TRAIN_ARGS:-} >> "$OUT/train.log" 2>&1
+  rc=$?; log t "train exit status $rc"
+  if [ $rc = 0 ] && [ -f $JOB/checkpoint/step-$STEPS/.metadata ] && [ -f $JOB/export/config.json ]; then
+    touch "$STATE/trained"
+  else exit 0; fi
+fi
+
+evaluate() { name=$1; need=$2; shift 2
+  [ -f "$STATE/$name" ] && return 0
+  [ $(left) -gt $need ] || { log t "no time for eval $name"; return 1; }
+  log t "eval $name"
+  python3 -m titan_draft.eval --target $TGT --draft $JOB/export "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 \
+    && touch "$STATE/$name"
+  tail -4 "$OUT/$name.log" | tee -a "$OUT/driver.log"; }
+evaluate tau_fp32_mtbench40 200 --prompts mtbench --num-prompts 40 --max-new-tokens 256 --dtype float32 || exit 0
+evaluate tau_bf16_mtbench40 150 --prompts mtbench --num-prompts 40 --max-new-tokens 256 --dtype bfloat16 || exit 0
+evaluate tau_fp32_holdout20 120 --prompts holdout --num-prompts 20 --max-new-tokens 256 --dtype float32 || exit 0
+log "" "all stages done"
