@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.common import build_attention_mask
+from models.common import build_attention_mask, resolve_attention_backend
+from models.eagle3.block_mask import ttt_block_mask
 from titan_draft.protocols.features import DraftOutput, TargetFeatures
 
 
@@ -76,8 +77,12 @@ def ttt_objective(draft, f: TargetFeatures) -> DraftOutput:
     acc_dtype = torch.promote_types(dtype, torch.float32)
     p, in_vocab, gold = teacher(draft, f.last_hidden)
     positions = torch.arange(seq, device=device).expand(bsz, seq)
-    valid = f.valid_lengths.to(device)[:, None]
-    mask_mod = ttt_mask_mod(seq, f.valid_lengths.to(device))
+    lengths = f.valid_lengths.to(device)
+    valid = lengths[:, None]
+    mask_mod = ttt_mask_mod(seq, lengths)
+    # flex: each step's BlockMask from its tile structure (no dense [B, Q, KV] evaluation of the
+    # mask_mod, which is still what flex applies inside the partial tiles); sdpa: the dense mask.
+    flex = resolve_attention_backend(a.attn_backend, device) == "flex"
     loss_sum = torch.zeros((), device=device, dtype=acc_dtype)
     metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     chain = torch.ones(bsz, seq, device=device, dtype=acc_dtype)
@@ -87,7 +92,10 @@ def ttt_objective(draft, f: TargetFeatures) -> DraftOutput:
     for i in range(a.ttt_steps):
         tokens = _shift(f.input_ids, 1 + i)
         rope = draft.rope(positions + i, acc_dtype)
-        attn_mask = build_attention_mask(mask_mod, bsz, seq, (i + 1) * seq, device, a.attn_backend)
+        if flex:
+            attn_mask = ttt_block_mask(seq, lengths, i, mask_mod=mask_mod)
+        else:
+            attn_mask = build_attention_mask(mask_mod, bsz, seq, (i + 1) * seq, device, a.attn_backend)
         out, kv = draft.midlayer(draft.embed(tokens, dtype), hidden, rope, past, attn_mask)
         past.append(kv)
         logits = draft.lm_head(draft.norm(out)).to(acc_dtype)

@@ -1,0 +1,93 @@
+"""The flex ``BlockMask`` of EAGLE-3's training-time-test step, built from its block structure.
+
+``create_block_mask`` evaluates the ``mask_mod`` on the whole dense ``[B, Q, KV]`` grid (at
+S 2048 and step 6, 2 x 2048 x 14336 elements) only to learn which tiles are empty, partial or
+full. For the TTT mask (see ``ttt_mask_mod`` in ``objective.py``) that classification follows
+from the tile coordinates and each sample's valid length alone, so it is computed here on the
+``[B, num_q_blocks, num_kv_blocks]`` tile grid instead and handed to ``BlockMask.from_kv_blocks``.
+The ``mask_mod`` stays the one definition of the mask: flex applies it inside the partial tiles,
+and the analytic classification only has to agree with it on which tiles those are.
+
+Tile rules for query tile ``qb`` (``bs`` = block size, ``nb = S / bs``, ``L`` = the sample's
+valid length clamped to ``[0, S]``), against the keys of step 0 at tile ``kb`` (positions
+``kb*bs .. (kb+1)*bs - 1``), allowed where ``s <= q`` and ``s < L``:
+
+* ``kb > qb``: every key is after every query: empty.
+* ``kb < qb``: every key is before every query, so only ``s < L`` decides: full when
+  ``(kb+1)*bs <= L``, empty when ``kb*bs >= L``, partial in between (``L`` inside the tile).
+* ``kb == qb``: the diagonal tile is triangular (never full for ``bs > 1``): partial when its
+  first key is inside the sequence (``kb*bs < L``), otherwise empty. Queries past ``L`` still
+  see the step-0 keys before ``L``, which these rules keep (they do not look at ``q < L``).
+
+Against step ``j >= 1`` (keys ``j*S + s``, allowed only at ``s == q``, whatever ``L``): only the
+tile ``j*nb + qb`` is non-empty, and it is partial (its diagonal).
+
+Anything these rules do not cover (``S`` not a multiple of the block size, a block size below
+2) goes through ``create_block_mask`` instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``[B, 1, nq, nkv]`` 0/1 tile grid -> ``(num_blocks [B, 1, nq], indices [B, 1, nq, nkv])``
+    int32: each row's marked tiles first in ascending order, then the unmarked ones (what
+    ``create_block_mask`` produces, a stable descending sort of the row)."""
+    blocks = blocks.to(torch.int32)
+    num = blocks.sum(dim=-1, dtype=torch.int32)
+    idx = torch.argsort(blocks, dim=-1, descending=True, stable=True).to(torch.int32)
+    return num.contiguous(), idx.contiguous()
+
+
+def ttt_tile_classes(
+    seq_len: int, valid_lengths: torch.Tensor, step: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(partial, full)``: bool ``[B, 1, nb, (step + 1) * nb]`` tile grids of step ``step``
+    (``nb = seq_len // block_size``; ``seq_len`` must be a multiple of ``block_size``)."""
+    if seq_len % block_size != 0 or block_size < 2:
+        raise ValueError(f"seq_len {seq_len} is not covered by the tile rules for block {block_size}")
+    device = valid_lengths.device
+    nb = seq_len // block_size
+    length = valid_lengths.to(device=device, dtype=torch.long).clamp(0, seq_len).view(-1, 1, 1)
+    qb = torch.arange(nb, device=device).view(1, nb, 1)
+    kb = torch.arange(nb, device=device).view(1, 1, nb)
+    lo, hi = kb * block_size, (kb + 1) * block_size  # the tile's first key and one past its last
+    below = kb < qb
+    full0 = below & (hi <= length)
+    partial0 = ((kb == qb) & (lo < length)) | (below & (lo < length) & (length < hi))
+    bsz = length.shape[0]
+    diag = (kb == qb).expand(bsz, nb, nb)
+    partial = torch.cat([partial0] + [diag] * step, dim=-1)
+    full = torch.cat([full0] + [torch.zeros_like(diag)] * step, dim=-1)
+    return partial.unsqueeze(1), full.unsqueeze(1)
+
+
+def ttt_block_mask(
+    seq_len: int,
+    valid_lengths: torch.Tensor,
+    step: int,
+    *,
+    mask_mod,
+    block_size: int = 128,
+) -> BlockMask:
+    """The ``BlockMask`` of TTT step ``step`` (queries: the ``seq_len`` positions; keys: steps
+    ``0..step``, ``KV_LEN = (step + 1) * seq_len``) for ``B = len(valid_lengths)`` samples, on
+    ``valid_lengths``' device. ``mask_mod`` must be ``ttt_mask_mod(seq_len, valid_lengths)``:
+    it is applied inside the partial tiles and is what the fallback evaluates."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    bsz = valid_lengths.shape[0]
+    q_len, kv_len = seq_len, (step + 1) * seq_len
+    if seq_len % block_size != 0 or block_size < 2:
+        # Not covered by the tile rules (a last tile cut short by the sequence end, or 1x1
+        # tiles whose diagonal is full): evaluate the mask densely, as flex itself does.
+        return create_block_mask(mask_mod, bsz, None, q_len, kv_len, device=valid_lengths.device,
+                                 BLOCK_SIZE=block_size)
+    partial, full = ttt_tile_classes(seq_len, valid_lengths, step, block_size)
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len))
