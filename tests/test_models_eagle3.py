@@ -141,6 +141,24 @@ def test_loss_and_gradient_equal_the_reference():
     assert {k for k in out.metrics} >= {"acc", "acc_0", "acc_2", "ce", "accept_len"}
 
 
+def test_the_teacher_distribution_is_kept_for_backward_once():
+    """Every TTT step reads the teacher's [B, S, Vd] distribution shifted by one more position.
+    Kept for backward per step as a shifted copy, it would cost ttt_steps such tensors; as views
+    of one padded tensor it costs one. Counted on the storages of the [B, S, Vd] tensors autograd
+    saves: the teacher's and each step's log-softmax output."""
+    d, f = _draft(), _features()
+    storages = set()
+
+    def pack(t):
+        if t.dim() == 3 and t.shape[:2] == f.input_ids.shape and t.shape[2] == VD:
+            storages.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        d(f).loss_sum.backward()
+    assert len(storages) == ARGS.ttt_steps + 1
+
+
 def test_draft_vocabulary(tmp_path):
     samples = [([5, 5, 7, 9, 3], [True, True, True, False, True]), ([3, 3, 5, 1], [False, True, True, True])]
     counts = count_loss_tokens(samples, 12)

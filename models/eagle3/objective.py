@@ -45,23 +45,29 @@ def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher(draft, last_hidden: torch.Tensor, chunk_rows: int = 2048):
+def teacher(draft, last_hidden: torch.Tensor, chunk_rows: int = 2048, pad: int = 0):
     """The target's next-token distribution at every position, restricted to the draft vocabulary:
-    ``(p [B, S, Vd] (fp32, fp64 for fp64 tables), in_vocab [B, S] bool (its full-vocabulary argmax is a draft token),
-    argmax [B, S] (draft index))``, from the final-norm hidden through the frozen lm_head, chunked:
-    no ``[B * S, V]`` logits are ever alive at once."""
-    bsz, seq, h = last_hidden.shape
+    ``(p [B, S + pad, Vd] (fp32, fp64 for fp64 tables; the last ``pad`` positions are 0),
+    in_vocab [B, S] bool (its full-vocabulary argmax is a draft token), argmax [B, S] (draft
+    index))``, from the final-norm hidden through the frozen lm_head, chunked within each sample:
+    no ``[B * S, V]`` logits are ever alive at once. The padding lets TTT step i read
+    ``p[:, 1 + i : 1 + i + S]`` as a view, where a shifted copy would be one more ``[B, S, Vd]``
+    fp32 tensor per step, each kept for backward."""
+    bsz, seq, _ = last_hidden.shape
     w, ids = draft.target_lm_head, draft.draft_ids()
-    rows = last_hidden.reshape(-1, h)
-    probs, in_vocab, arg = [], [], []
-    for s in range(0, rows.shape[0], chunk_rows):
-        z = rows[s : s + chunk_rows].to(w.dtype) @ w.t()
-        in_vocab.append(draft.t2d[z.argmax(dim=-1)])
-        zd = z[:, ids].to(torch.promote_types(z.dtype, torch.float32))
-        probs.append(torch.softmax(zd, dim=-1))
-        arg.append(zd.argmax(dim=-1))
-    return (torch.cat(probs).view(bsz, seq, -1), torch.cat(in_vocab).view(bsz, seq),
-            torch.cat(arg).view(bsz, seq))
+    acc_dtype = torch.promote_types(w.dtype, torch.float32)
+    p = last_hidden.new_zeros(bsz, seq + pad, ids.numel(), dtype=acc_dtype)
+    in_vocab = torch.empty(bsz, seq, dtype=torch.bool, device=last_hidden.device)
+    arg = torch.empty(bsz, seq, dtype=torch.long, device=last_hidden.device)
+    for b in range(bsz):
+        for s in range(0, seq, chunk_rows):
+            e = min(s + chunk_rows, seq)
+            z = last_hidden[b, s:e].to(w.dtype) @ w.t()
+            in_vocab[b, s:e] = draft.t2d[z.argmax(dim=-1)]
+            zd = z[:, ids].to(acc_dtype)
+            p[b, s:e] = torch.softmax(zd, dim=-1)
+            arg[b, s:e] = zd.argmax(dim=-1)
+    return p, in_vocab, arg
 
 
 def ttt_objective(draft, f: TargetFeatures) -> DraftOutput:
@@ -75,7 +81,7 @@ def ttt_objective(draft, f: TargetFeatures) -> DraftOutput:
     hidden = draft.fuse(f.aux_hidden)
     dtype = hidden.dtype
     acc_dtype = torch.promote_types(dtype, torch.float32)
-    p, in_vocab, gold = teacher(draft, f.last_hidden)
+    p, in_vocab, gold = teacher(draft, f.last_hidden, pad=a.ttt_steps)
     positions = torch.arange(seq, device=device).expand(bsz, seq)
     lengths = f.valid_lengths.to(device)
     valid = lengths[:, None]
@@ -101,7 +107,7 @@ def ttt_objective(draft, f: TargetFeatures) -> DraftOutput:
         logits = draft.lm_head(draft.norm(out)).to(acc_dtype)
         m = ((positions + 2 + i < valid) & _shift(f.loss_mask.bool(), 2 + i, False)
              & _shift(in_vocab, 1 + i, False)).to(acc_dtype)
-        ce = -(_shift(p, 1 + i).to(acc_dtype) * torch.log_softmax(logits, dim=-1)).sum(dim=-1)
+        ce = -(p[:, 1 + i : 1 + i + seq] * torch.log_softmax(logits, dim=-1)).sum(dim=-1)
         loss_sum = loss_sum + a.step_decay**i * (m * ce).sum()
         correct = (logits.argmax(dim=-1) == _shift(gold, 1 + i)).to(acc_dtype)
         metrics[f"acc_{i}"] = ((m * correct).sum(), m.sum())
