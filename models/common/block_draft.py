@@ -20,8 +20,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.common.args import BlockDiffusionArgs
-from models.common.attention import build_attention_mask
+from models.common.attention import build_attention_mask, resolve_attention_backend
 from models.common.block_diffusion import DraftBlocks, Rope, build_blocks, make_mask_mod
+from models.common.block_mask import block_diffusion_block_mask
 from models.common.norm import RMSNorm
 from models.common.rope import rope_cos_sin
 from titan_draft.protocols.features import TargetFeatures
@@ -109,7 +110,13 @@ class BlockDiffusionDraft(nn.Module):
         rope_q = self.rope(blocks.positions, acc_dtype)
         rope_k = self.rope(torch.cat([ctx_pos, blocks.positions], dim=1), acc_dtype)
         mask_mod = make_mask_mod(anchors, keep, seq, b)
-        attn_mask = build_attention_mask(mask_mod, bsz, rows, seq + rows, device, a.attn_backend)
+        if resolve_attention_backend(a.attn_backend, device) == "flex":
+            # The BlockMask from the anchors' tile structure (models/common/block_mask.py), not
+            # create_block_mask's dense [B, Q, KV] evaluation; flex still applies mask_mod inside
+            # the partial tiles. sdpa: the dense mask.
+            attn_mask = block_diffusion_block_mask(anchors, keep, seq, b, mask_mod=mask_mod)
+        else:
+            attn_mask = build_attention_mask(mask_mod, bsz, rows, seq + rows, device, a.attn_backend)
         for layer in self.layers.values():
             x = layer(x, ctx, rope_q, rope_k, attn_mask)
         return self.norm(x), blocks

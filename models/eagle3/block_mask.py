@@ -31,15 +31,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-
-def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A ``[B, 1, nq, nkv]`` 0/1 tile grid -> ``(num_blocks [B, 1, nq], indices [B, 1, nq, nkv])``
-    int32: each row's marked tiles first in ascending order, then the unmarked ones (what
-    ``create_block_mask`` produces, a stable descending sort of the row)."""
-    blocks = blocks.to(torch.int32)
-    num = blocks.sum(dim=-1, dtype=torch.int32)
-    idx = torch.argsort(blocks, dim=-1, descending=True, stable=True).to(torch.int32)
-    return num.contiguous(), idx.contiguous()
+from models.common.block_mask import ordered_tiles
 
 
 def ttt_tile_classes(
@@ -87,7 +79,7 @@ def ttt_block_mask(
         return create_block_mask(mask_mod, bsz, None, q_len, kv_len, device=valid_lengths.device,
                                  BLOCK_SIZE=block_size)
     partial, full = ttt_tile_classes(seq_len, valid_lengths, step, block_size)
-    kv_num, kv_idx = _ordered(partial)
-    full_num, full_idx = _ordered(full)
+    kv_num, kv_idx = ordered_tiles(partial)
+    full_num, full_idx = ordered_tiles(full)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
                                     mask_mod=mask_mod, seq_lengths=(q_len, kv_len))
