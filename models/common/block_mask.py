@@ -5,7 +5,7 @@ learn which ``T x T`` tiles are empty, partial or full. Where that classificatio
 a few per-row numbers, it is computed here on the ``[B, 1, num_q_tiles, num_kv_tiles]`` tile
 grid and handed to ``BlockMask.from_kv_blocks``. The ``mask_mod`` stays the one definition of
 the mask: flex applies it inside the partial tiles, and the tile classes only have to agree
-with it on which tiles those are. :func:`ordered_tiles` is the shared last step (EAGLE-3's
+with it on which tiles those are. :func:`block_mask_from_tiles` is the shared last step (EAGLE-3's
 ``models/eagle3/block_mask.py`` uses it too).
 
 The block-diffusion mask (``make_mask_mod`` in ``block_diffusion.py``): queries are the
@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-__all__ = ["block_diffusion_block_mask", "block_diffusion_tile_classes", "ordered_tiles"]
+__all__ = ["block_diffusion_block_mask", "block_diffusion_tile_classes", "block_mask_from_tiles", "ordered_tiles"]
 
 
 def ordered_tiles(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +46,16 @@ def ordered_tiles(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     num = blocks.sum(dim=-1, dtype=torch.int32)
     idx = torch.argsort(blocks, dim=-1, descending=True, stable=True).to(torch.int32)
     return num.contiguous(), idx.contiguous()
+
+
+def block_mask_from_tiles(partial: torch.Tensor, full: torch.Tensor, *, tile: int, mask_mod, q_len: int,
+                          kv_len: int) -> BlockMask:
+    """The ``BlockMask`` of bool ``[B, 1, nq, nkv]`` partial / full tile grids (``mask_mod``
+    applied inside the partial tiles), through the public ``BlockMask.from_kv_blocks``."""
+    kv_num, kv_idx = ordered_tiles(partial)
+    full_num, full_idx = ordered_tiles(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod,
+                                    seq_lengths=(q_len, kv_len))
 
 
 def _covered(context_len: int, q_len: int, tile: int) -> bool:
@@ -115,7 +125,4 @@ def block_diffusion_block_mask(
         # mask densely, as create_block_mask does.
         return create_block_mask(mask_mod, bsz, None, q_len, kv_len, device=anchors.device, BLOCK_SIZE=tile)
     partial, full = block_diffusion_tile_classes(anchors, keep, context_len, block_size, tile)
-    kv_num, kv_idx = ordered_tiles(partial)
-    full_num, full_idx = ordered_tiles(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod,
-                                    seq_lengths=(q_len, kv_len))
+    return block_mask_from_tiles(partial, full, tile=tile, mask_mod=mask_mod, q_len=q_len, kv_len=kv_len)

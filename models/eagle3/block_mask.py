@@ -31,7 +31,11 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from models.common.block_mask import ordered_tiles
+from models.common.block_mask import block_mask_from_tiles
+
+
+def _covered(seq_len: int, block_size: int) -> bool:
+    return block_size >= 2 and seq_len % block_size == 0
 
 
 def ttt_tile_classes(
@@ -39,7 +43,7 @@ def ttt_tile_classes(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(partial, full)``: bool ``[B, 1, nb, (step + 1) * nb]`` tile grids of step ``step``
     (``nb = seq_len // block_size``; ``seq_len`` must be a multiple of ``block_size``)."""
-    if seq_len % block_size != 0 or block_size < 2:
+    if not _covered(seq_len, block_size):
         raise ValueError(f"seq_len {seq_len} is not covered by the tile rules for block {block_size}")
     device = valid_lengths.device
     nb = seq_len // block_size
@@ -73,13 +77,10 @@ def ttt_block_mask(
         raise ValueError(f"step must be >= 0, got {step}")
     bsz = valid_lengths.shape[0]
     q_len, kv_len = seq_len, (step + 1) * seq_len
-    if seq_len % block_size != 0 or block_size < 2:
+    if not _covered(seq_len, block_size):
         # Not covered by the tile rules (a last tile cut short by the sequence end, or 1x1
         # tiles whose diagonal is full): evaluate the mask densely, as flex itself does.
         return create_block_mask(mask_mod, bsz, None, q_len, kv_len, device=valid_lengths.device,
                                  BLOCK_SIZE=block_size)
     partial, full = ttt_tile_classes(seq_len, valid_lengths, step, block_size)
-    kv_num, kv_idx = ordered_tiles(partial)
-    full_num, full_idx = ordered_tiles(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
-                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len))
+    return block_mask_from_tiles(partial, full, tile=block_size, mask_mod=mask_mod, q_len=q_len, kv_len=kv_len)
