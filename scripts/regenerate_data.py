@@ -168,6 +168,10 @@ def batch_order(todo: list, batch_size: int, window_batches: int = 16) -> list:
 
 def main(argv=None) -> None:
     a = _parse(sys.argv[1:] if argv is None else argv)
+    # checked before anything is loaded; a letter first, so tagged parts sort after the untagged
+    # ones (the held-out rows stay first)
+    if a.tag and not (a.tag[0].isascii() and a.tag[0].isalpha() and a.tag.replace("-", "").replace("_", "").isalnum()):
+        raise SystemExit(f"regenerate_data: error: --tag {a.tag!r}: a letter, then letters, digits, '-' or '_'")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
@@ -183,9 +187,6 @@ def main(argv=None) -> None:
     stops = stop_token_ids(tokenizer, template)
     thinking = a.enable_thinking == "true"
     os.makedirs(os.path.join(a.out, "meta"), exist_ok=True)
-    # a letter first, so tagged parts sort after the untagged ones (the held-out rows stay first)
-    if a.tag and not (a.tag[0].isascii() and a.tag[0].isalpha() and a.tag.replace("-", "").replace("_", "").isalnum()):
-        raise SystemExit(f"regenerate_data: error: --tag {a.tag!r}: a letter, then letters, digits, '-' or '_'")
     name = f"{a.tag}-{rank:05d}" if a.tag else f"{rank:05d}"
     part = os.path.join(a.out, f"part-{name}.jsonl")
     previous = _rows_of(part)

@@ -56,7 +56,8 @@ def teacher(draft, last_hidden: torch.Tensor, chunk_rows: int = 2048, pad: int =
     bsz, seq, _ = last_hidden.shape
     w, ids = draft.target_lm_head, draft.draft_ids()
     acc_dtype = torch.promote_types(w.dtype, torch.float32)
-    p = last_hidden.new_zeros(bsz, seq + pad, ids.numel(), dtype=acc_dtype)
+    p = last_hidden.new_empty(bsz, seq + pad, ids.numel(), dtype=acc_dtype)
+    p[:, seq:].zero_()  # every other position is written below
     in_vocab = torch.empty(bsz, seq, dtype=torch.bool, device=last_hidden.device)
     arg = torch.empty(bsz, seq, dtype=torch.long, device=last_hidden.device)
     for b in range(bsz):
