@@ -243,3 +243,33 @@ def test_flops_count_every_linear_once_per_step():
     teacher = 2 * seq * args.hidden_size * args.vocab_size
     assert eagle3_flops(args, bsz, seq) == pytest.approx(bsz * (linear + attn + teacher), rel=1e-12)
     assert get_model_spec("eagle3").flops_fn is eagle3_flops
+
+
+def test_compiled_step_terms_equal_eager_and_compile_once_for_all_steps():
+    """The CUDA path of a TTT step's soft CE (models/eagle3/objective.py: _compiled_step_terms),
+    run through Inductor on CPU: values and the logits' gradient equal the eager terms, and the 7
+    steps' teacher rows (views one row apart in the padded tensor) reuse one graph."""
+    from models.eagle3.objective import _compiled_step_terms, _step_terms
+
+    g = torch.Generator().manual_seed(0)
+    bsz, seq, vd, steps = 2, 16, 384, 7
+    p = torch.softmax(torch.randn(bsz, seq + steps, vd, generator=g) * 3, dim=-1)
+    gold = torch.randint(0, vd, (bsz, seq), generator=g)
+    weights = torch.rand(bsz, seq, generator=g)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1):  # a second graph would raise (fullgraph)
+        for i in range(steps):
+            logits = (torch.randn(bsz, seq, vd, generator=g) * 4).bfloat16()
+            gold[:, i] = logits[:, i].argmax(-1)  # some hits
+            results = []
+            for fn in (_compiled_step_terms, _step_terms):
+                x = logits.clone().requires_grad_(True)
+                ce, hit = fn(x, p[:, 1 + i : 1 + i + seq], gold)
+                (weights * ce).sum().backward()
+                results.append((ce.detach(), hit, x.grad))
+            (ce_c, hit_c, g_c), (ce_e, hit_e, g_e) = results
+            assert ce_c.dtype == torch.float32 and hit_c.dtype == torch.bool
+            torch.testing.assert_close(ce_c, ce_e, rtol=1e-5, atol=1e-5)
+            assert torch.equal(hit_c, hit_e) and hit_e[:, i].all()
+            torch.testing.assert_close(g_c.float(), g_e.float(), rtol=1e-2, atol=1e-4)
+    torch._dynamo.reset()
