@@ -347,3 +347,32 @@ def test_distill_with_a_wide_logit_range_stays_exact_in_fp32():
     assert out.loss_sum.item() == pytest.approx(want.item(), rel=1e-5)
     for got, r in zip(ins, ref):
         assert torch.allclose(got.grad.double(), r.grad, rtol=1e-4, atol=1e-5 * r.grad.abs().max().item())
+
+
+def test_compiled_chunk_stats_equal_eager_on_bf16_tables():
+    """The CUDA path of the distillation (models/dspark/loss.py: _compiled_chunk_stats, which
+    also does the casts and the Markov sum), run through Inductor on CPU on bf16 matmul outputs:
+    CE, L1, argmax and the bf16 gradient equal the eager statistics."""
+    from models.dspark.loss import _chunk_stats, _compiled_chunk_stats
+
+    g = torch.Generator().manual_seed(3)
+    c, v = 24, 640
+    z_head = (torch.randn(c, v, generator=g) * 4).bfloat16()
+    z_markov = (torch.randn(c, v, generator=g) * 0.5).bfloat16()
+    z_teacher = (torch.randn(c, v, generator=g) * 4).bfloat16()
+    labels = torch.randint(0, v, (c,), generator=g)
+    weight = torch.rand(c, generator=g)
+    torch._dynamo.reset()
+    got = _compiled_chunk_stats(z_head, z_markov, z_teacher, labels, weight, 0.1, 0.9, True,
+                                torch.float32, torch.bfloat16)
+    want = _chunk_stats(z_head, z_markov, z_teacher, labels, weight, 0.1, 0.9, True, torch.float32, torch.bfloat16)
+    torch._dynamo.reset()
+    for a, b in zip(got[:2], want[:2]):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[2], want[2])
+    assert got[3].dtype == torch.bfloat16
+    torch.testing.assert_close(got[3].float(), want[3].float(), rtol=2e-2, atol=1e-6)
+    # and the eager statistics are those of z = z_head + z_markov in fp32
+    z = z_head.float() + z_markov.float()
+    torch.testing.assert_close(want[0], torch.nn.functional.cross_entropy(z, labels, reduction="none"))

@@ -47,8 +47,14 @@ def _softmax_lse(z):
     return e / total, m + torch.log(total)
 
 
-def _chunk_stats(z, zt, labels, weight, ce_weight: float, l1_weight: float, need_grad: bool):
-    """CE, L1, argmax and (``need_grad``) ``d loss / d z`` of one ``[c, V]`` chunk (fp32+)."""
+def _chunk_stats(z_head, z_markov, z_teacher, labels, weight, ce_weight: float, l1_weight: float,
+                 need_grad: bool, acc: torch.dtype, grad_dtype: torch.dtype):
+    """CE, L1, argmax and (``need_grad``) ``d loss / d z`` in ``grad_dtype`` of one ``[c, V]``
+    chunk, from the matmuls' outputs in the tables' dtype (``z = z_head + z_markov``, the
+    target's ``z_teacher``) with statistics in ``acc`` (>= fp32). Compiled, the casts and the
+    sum are part of the passes over the chunk instead of five more [c, V] fp32 tensors."""
+    z = z_head.to(acc) + z_markov.to(acc)
+    zt = z_teacher.to(acc)
     p, lse = _softmax_lse(z)
     pt, _ = _softmax_lse(zt)
     ce = lse.squeeze(-1) - z.gather(1, labels[:, None]).squeeze(1)
@@ -61,7 +67,7 @@ def _chunk_stats(z, zt, labels, weight, ce_weight: float, l1_weight: float, need
     g_l1 = p * (sign - (p * sign).sum(dim=-1, keepdim=True))
     g_ce = p.scatter_add(1, labels[:, None], torch.full_like(p[:, :1], -1.0))
     grad_z = weight[:, None] * (ce_weight * g_ce + l1_weight * g_l1)
-    return ce, l1, argmax, grad_z
+    return ce, l1, argmax, grad_z.to(grad_dtype)
 
 
 # one graph per chunk size (a run has at most two: full and last), as models/common/cross_entropy.py
@@ -82,14 +88,18 @@ class _MarkovDistill(torch.autograd.Function):
         grad_f = torch.empty(n, feats.shape[1], dtype=acc, device=hidden.device) if need else None
         grad_w2 = torch.zeros(w2.shape, dtype=acc, device=hidden.device) if need else None
         w = weight.to(acc)
+        # the chunk's gradient comes back in the tables' dtype when both matmuls read it (bf16 on
+        # GPU): it is rounded to that for them anyway
+        grad_dtype = lm_head.dtype if w2.dtype == lm_head.dtype else acc
         for s in range(0, n, chunk_rows):
             e = min(s + chunk_rows, n)
             # matmuls in the tables' dtype (bf16 on GPU), statistics in >= fp32
             fc = feats[s:e].to(w2.dtype)
-            z = (hidden[s:e].to(lm_head.dtype) @ lm_head.t()).to(acc) + (fc @ w2.t()).to(acc)
-            zt = (teacher[s:e].to(lm_head.dtype) @ lm_head.t()).to(acc)
-            ce[s:e], l1[s:e], argmax[s:e], grad_z = stats(z, zt, labels[s:e], w[s:e], ce_weight, l1_weight, need)
-            del z, zt
+            z_head = hidden[s:e].to(lm_head.dtype) @ lm_head.t()
+            z_teacher = teacher[s:e].to(lm_head.dtype) @ lm_head.t()
+            ce[s:e], l1[s:e], argmax[s:e], grad_z = stats(z_head, fc @ w2.t(), z_teacher, labels[s:e], w[s:e],
+                                                          ce_weight, l1_weight, need, acc, grad_dtype)
+            del z_head, z_teacher
             if need:
                 grad_h[s:e] = (grad_z.to(lm_head.dtype) @ lm_head).to(acc)
                 gz = grad_z.to(w2.dtype)
