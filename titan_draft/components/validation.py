@@ -57,20 +57,22 @@ class Validator:
         t = cfg.training
         # the held-out rows only: the first data.holdout_rows, in source order
         held_out = replace(cfg.data, holdout_rows=0, max_rows=cfg.data.holdout_rows, shuffle=False, prefetch_factor=0)
+        # a held-out split without a usable row fails here, before training. The batches are the
+        # same at every validation, so they are read and collated once and kept (a few MB of ids)
         self._build = lambda: build_dataloader(
             held_out, tokenizer, dp_rank=dp_rank, dp_world=dp_world, local_batch_size=t.local_batch_size,
             seed=t.seed, static_shapes=t.static_shapes, pad_multiple=pad_multiple, reserved_ids=reserved_ids)
-        self._build()  # a held-out split without a usable row fails here, before training
+        loader = iter(self._build())
+        self._batches = [next(loader) for _ in range(cfg.validation.steps)]
+        del loader
 
     def should_run(self, step: int, total_steps: int) -> bool:
         return self.enabled and due_every(step, total_steps, self.cfg.validation.freq)
 
     def run(self, model, features_fn: Callable, step: int) -> dict[str, float]:
         """The ``val/*`` scalars at ``step`` (collective under data parallelism)."""
-        loader = iter(self._build())
-        batches = (next(loader) for _ in range(self.cfg.validation.steps))
         reduce = torch.distributed.all_reduce if self.dp_world > 1 else None
-        values = validate(model, features_fn, batches, self.device, seed=self.cfg.training.seed, all_reduce=reduce)
+        values = validate(model, features_fn, self._batches, self.device, seed=self.cfg.training.seed, all_reduce=reduce)
         logger.info(f"validation at step {step} ({self.cfg.validation.steps} held-out batches per rank): "
                     + "  ".join(f"{k.removeprefix('val/')} {v:.4f}" for k, v in values.items()))
         return values
