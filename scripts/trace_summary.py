@@ -4,8 +4,10 @@
 
 Prints the GPU busy time against the profiled wall time (the gaps are host overhead or syncs),
 time per kernel category (matmuls, attention, elementwise/fused, reductions, optimizer, copies,
-collectives), the top kernels, and the host-device syncs seen (cudaStreamSynchronize,
-cudaDeviceSynchronize, device-to-host copies).
+collectives), the top kernels, the GPU time of the host ops that launched them (with their
+input shapes, which the job's profiler records: a kernel name alone rarely says which tensor it
+was working on), and the host-device syncs seen (cudaStreamSynchronize, cudaDeviceSynchronize,
+device-to-host copies).
 """
 
 from __future__ import annotations
@@ -70,6 +72,16 @@ def summarize(trace: dict, top: int) -> str:
     lines.append(f"\ntop {top} kernels:")
     for name, (dur, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {dur / 1e3:8.1f} ms {n:5d}x  [{category(name)}] {name[:110]}")
+    launched = _launching_ops(events)
+    by_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        op = launched.get(e.get("args", {}).get("correlation"))
+        key = "(no host op)" if op is None else _op_label(op)
+        by_op[key][0] += e["dur"]
+        by_op[key][1] += 1
+    lines.append(f"\ntop {top} launching host ops (innermost op around the launch; kernels, GPU time):")
+    for key, (dur, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {dur / 1e3:8.1f} ms {n:5d}x  {key[:150]}")
     syncs = defaultdict(int)
     for e in events:
         name = str(e.get("name", ""))
@@ -77,6 +89,36 @@ def summarize(trace: dict, top: int) -> str:
             syncs[name] += 1
     lines.append("\nhost runtime calls that can block: " + (", ".join(f"{k} x{v}" for k, v in sorted(syncs.items())) or "none"))
     return "\n".join(lines)
+
+
+def _launching_ops(events: list[dict]) -> dict:
+    """``correlation id -> the innermost cpu_op event`` whose time span, on the same thread,
+    holds the runtime or driver call (kernel launch, memcpy) with that id."""
+    per_thread: dict[tuple, list] = defaultdict(list)
+    for e in events:
+        cat = e.get("cat")
+        if cat == "cpu_op":
+            per_thread[(e.get("pid"), e.get("tid"))].append((e["ts"], 0, -e["dur"], e))
+        elif cat in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):  # driver: Triton
+            per_thread[(e.get("pid"), e.get("tid"))].append((e["ts"], 1, 0, e))
+    out = {}
+    for items in per_thread.values():
+        items.sort(key=lambda x: x[:3])  # at one timestamp: ops before calls, outer ops first
+        stack: list[dict] = []
+        for ts, kind, _, e in items:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < ts:
+                stack.pop()
+            if kind == 0:
+                stack.append(e)
+            elif stack:
+                out[e["args"]["correlation"]] = stack[-1]
+    return out
+
+
+def _op_label(op: dict) -> str:
+    dims = op.get("args", {}).get("Input Dims")
+    shapes = [d for d in dims if d] if isinstance(dims, list) else []
+    return f"{op['name']} {shapes}" if shapes else op["name"]
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:

@@ -345,6 +345,42 @@ def test_trace_summary_busy_time_and_categories():
     assert "cudaStreamSynchronize x1" in text
 
 
+def test_trace_summary_charges_kernels_to_the_innermost_launching_op():
+    """Each kernel's GPU time goes to the innermost host op around its launch on the launching
+    thread (matched by correlation id), labelled with its input shapes; a launch outside every
+    op is counted apart."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        import trace_summary
+    finally:
+        sys.path.pop(0)
+
+    def ev(name, cat, ts, dur, tid=1, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": args}
+
+    trace = {"traceEvents": [
+        ev("aten::linear", "cpu_op", 0, 100, **{"Input Dims": [[4, 8], [16, 8], []]}),
+        ev("aten::mm", "cpu_op", 10, 50, **{"Input Dims": [[4, 8], [8, 16]]}),
+        ev("cudaLaunchKernel", "cuda_runtime", 20, 2, correlation=1),  # inside aten::mm
+        ev("cudaLaunchKernel", "cuda_runtime", 80, 2, correlation=2),  # after mm, inside linear
+        ev("aten::_log_softmax_backward_data", "cpu_op", 0, 40, tid=2, **{"Input Dims": [[4, 16], [4, 16]]}),
+        ev("cudaLaunchKernel", "cuda_runtime", 5, 2, tid=2, correlation=3),  # the backward thread
+        ev("cudaLaunchKernel", "cuda_runtime", 500, 2, correlation=4),  # no op around it
+        ev("nvjet_gemm", "kernel", 100, 30, tid=7, correlation=1),
+        ev("add_kernel", "kernel", 130, 5, tid=7, correlation=2),
+        ev("softmax_bwd", "kernel", 140, 20, tid=7, correlation=3),
+        ev("memset", "kernel", 600, 1, tid=7, correlation=4),
+    ]}
+    text = trace_summary.summarize(trace, top=10)
+    ops = text.split("launching host ops")[1].split("host runtime calls")[0]
+    assert "0.0 ms     1x  aten::mm [[4, 8], [8, 16]]" in ops
+    assert "aten::linear [[4, 8], [16, 8]]" in ops
+    assert "aten::_log_softmax_backward_data [[4, 16], [4, 16]]" in ops
+    assert "(no host op)" in ops
+    # ordered by GPU time: the mm's 30 us first, then the backward's 20
+    assert ops.index("aten::mm") < ops.index("_log_softmax_backward_data") < ops.index("aten::linear")
+
+
 @pytest.mark.parametrize("draft,samples_per_s,speedup,anchor", [
     ("dspark", 12.86, "2.00", "| SpecForge dspark (anchor) | varmask | 1 | synthetic | FSDP1 eager | 311 | 6.43 |"),
     ("eagle3", 12.08, "1.23", "| SpecForge eagle3 (anchor) | varmask | 1 | synthetic | FSDP1 eager | 203 | 9.85 |"),
