@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The SmolLM2 GPU recipe end to end -- target folder, three regeneration passes, the 6000-step
+# The SmolLM2 GPU recipe end to end -- target folder, the regeneration passes, the 6000-step
 # train_configs/dflash2_smollm2.toml job, true-tau evals -- on a machine lent in command slots of a
 # few minutes. Each run does what fits before DEADLINE (epoch seconds) and stops cleanly; the same
 # command continues where the last one stopped (regeneration and training both resume).
@@ -12,7 +12,9 @@ cd "$(dirname "$0")/../.."
 : "${DEADLINE:?set DEADLINE to the epoch second by which this run must have returned}"
 OUT=${OUT:-outputs/slots}; STATE=${STATE:-outputs/slots/state}; SOURCE=${SOURCE:-sharegpt}
 mkdir -p "$OUT" "$STATE"
-TGT=outputs/targets/smollm2 DATA=outputs/data/smollm2_regen JOB=outputs/dflash2_smollm2 STEPS=6000
+TGT=outputs/targets/smollm2 DATA=outputs/data/smollm2_regen JOB=outputs/dflash2_smollm2 STEPS=${STEPS:-6000}
+# PASSES: the regeneration passes, in order (t07b, a third with seed 2, gave no gain on 2026-12-02)
+PASSES=${PASSES:-greedy t07}
 left() { echo $(( DEADLINE - $(date +%s) )); }
 log() { echo "[$(date +%T) ${1:+left $(left)s}] ${*:2}" | tee -a "$OUT/driver.log"; }
 
@@ -22,8 +24,8 @@ fi
 
 # a pass is finished when its settings say nothing is left
 finished() { python3 -c "import json,os,sys; p=sys.argv[1]; sys.exit(0 if os.path.isfile(p) and json.load(open(p))['left'] == 0 else 1)" "$1"; }
-# greedy, then two sampled answers to each prompt (seeds 1 and 2)
-for pass in greedy t07 t07b; do
+# greedy, then sampled answers to each prompt (seed 1; seed 2 for t07b)
+for pass in $PASSES; do
   case $pass in
     greedy) meta=$DATA/meta/settings-00000.json; extra=() ;;
     t07) meta=$DATA/meta/settings-t07-00000.json; extra=(--skip-rows 200 --temperature 0.7 --top-p 0.9 --seed 1 --tag t07) ;;
@@ -42,7 +44,7 @@ if [ ! -f "$STATE/trained" ]; then
   t=$(( $(left) - 45 )); [ $t -gt 90 ] || { log t "no time to train"; exit 0; }
   log t "train (stopped by SIGTERM after $t s if not done)"
   # SIGTERM: the trainer finishes its step, saves a checkpoint and exits 0; the next run resumes
-  timeout -s TERM -k 40 $t ./run_train.sh --job.config_file train_configs/dflash2_smollm2.toml ${TRAIN_ARGS:-} >> "$OUT/train.log" 2>&1
+  timeout -s TERM -k 40 $t ./run_train.sh --job.config_file train_configs/dflash2_smollm2.toml --training.steps $STEPS ${TRAIN_ARGS:-} >> "$OUT/train.log" 2>&1
   rc=$?; log t "train exit status $rc"
   if [ $rc = 0 ] && [ -f $JOB/checkpoint/step-$STEPS/.metadata ] && [ -f $JOB/export/config.json ]; then
     touch "$STATE/trained"
