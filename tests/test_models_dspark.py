@@ -12,7 +12,7 @@ import torch
 
 from models.common.block_diffusion import sample_anchors
 from models.dspark import DSparkDraft, DSparkProposer, dspark_flavors
-from models.dspark.loss import markov_distill
+from models.dspark.loss import markov_distill, teacher_spans
 from models.dspark.objective import build_slot_targets
 from titan_draft.protocols import TargetFeatures
 
@@ -254,6 +254,58 @@ def test_chunked_distill_equals_autograd_and_is_chunk_invariant():
     for got in grads:
         for gt, t in zip(got, (hidden, feats, w2)):
             assert torch.allclose(gt, t.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_teacher_read_by_position_equals_one_teacher_row_a_row():
+    """The target's rows given once per position (teacher_index) give the same loss, statistics
+    and gradients as one gathered row per slot row, whether a chunk's span of positions is
+    narrower than the chunk (the lm_head runs over the span) or not (one row a row); rows of
+    weight 0 may point anywhere, as padded anchor slots point at position 0."""
+    g = torch.Generator().manual_seed(11)
+    seq, b = 12, 4
+    anchors = [[0, 1, 3, 4, 6, 0], [2, 3, 5, 7, 8, 0]]  # sorted; the last slot of each is padding
+    idx, weight = [], []
+    for bi, row in enumerate(anchors):
+        for n, a in enumerate(row):
+            for k in range(b):
+                idx.append(bi * seq + min(a + k, seq - 1))
+                weight.append(0.0 if n == len(row) - 1 else float(torch.rand((), generator=g)) + 0.1)
+    idx, weight = torch.tensor(idx), torch.tensor(weight, dtype=torch.float64)
+    n = idx.shape[0]
+    teacher = torch.randn(2 * seq, H, generator=g, dtype=torch.float64)
+    lm = torch.randn(V, H, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (n,), generator=g)
+    leaves = [torch.randn(n, H, generator=g, dtype=torch.float64), torch.randn(n, R, generator=g, dtype=torch.float64),
+              torch.randn(V, R, generator=g, dtype=torch.float64)]
+    live = weight > 0
+
+    def run(chunk, by_position):
+        ins = [t.clone().requires_grad_() for t in leaves]
+        kw = dict(teacher_index=idx) if by_position else {}
+        out = markov_distill(*ins, lm, teacher if by_position else teacher[idx], labels, weight, ce_weight=0.3,
+                             l1_weight=0.7, chunk_rows=chunk, **kw)
+        (1.5 * out.loss_sum).backward()
+        return out, [t.grad for t in ins]
+
+    for chunk in (3, 8, 16, 64):
+        spans = teacher_spans(idx, weight, chunk)
+        widths = [hi - lo + 1 for lo, hi in spans]
+        if chunk == 16:  # two of three chunks read fewer positions than they have rows
+            assert sum(w < chunk for w in widths) >= 2
+        for c, span in enumerate(spans):  # the narrowest span holding every live row's position
+            rows = slice(c * chunk, min((c + 1) * chunk, n))
+            pos = [int(i) for i, ok in zip(idx[rows], live[rows]) if ok]
+            assert span == ((min(pos), max(pos)) if pos else (0, 0))
+        want, want_g = run(chunk, False)
+        got, got_g = run(chunk, True)
+        assert got.loss_sum.item() == pytest.approx(want.loss_sum.item(), rel=1e-13)
+        assert torch.equal(got.argmax, want.argmax) and torch.allclose(got.ce, want.ce, rtol=1e-13)
+        assert torch.allclose(got.l1[live], want.l1[live], rtol=1e-12)
+        for a, w in zip(got_g, want_g):
+            assert torch.allclose(a, w, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="teacher_index"):
+        markov_distill(*leaves, lm, teacher, labels, weight, ce_weight=0.3, l1_weight=0.7,
+                       teacher_index=idx.to(torch.int32))
 
 
 def test_initialized_markov_bias_is_zero():

@@ -113,12 +113,13 @@ def test_flops_count_every_trainable_linear(kind):
     """6 * rows * in * out of every trainable Linear found on the module (plus the frozen tables and
     attention, counted by their formulas): a Linear the count forgets fails here."""
     args = replace(DEBUG, markov_head_type=kind)
-    bsz, seq = 3, 40
     rows = args.num_anchors * args.block_size
     model = DSparkDraft(args)
-    lm_head = 6 * rows * args.hidden_size * args.vocab_size
-    want = linear_flops(model, seq, rows) + lm_head + attention_flops(args, seq, rows)
-    assert dspark_flops(args, bsz, seq) == pytest.approx(bsz * want)
+    # the teacher head once per position the rows read: fewer positions than rows, then more
+    for bsz, seq in ((3, rows // 2), (2, 3 * rows)):
+        tables = (4 * rows + 2 * min(rows, seq)) * args.hidden_size * args.vocab_size
+        want = linear_flops(model, seq, rows) + tables + attention_flops(args, seq, rows)
+        assert dspark_flops(args, bsz, seq) == pytest.approx(bsz * want)
 
 
 @pytest.mark.parametrize("name", ["dspark_debug", "dspark_qwen3_8b", "dspark_smollm2"])

@@ -15,12 +15,14 @@ def dspark_flops(args: DSparkArgs, batch_size: int, seq_len: int) -> float:
       ``k_proj``/``v_proj`` on S + R rows; ``q_proj``, ``o_proj``, the MLP, the Markov head's
       ``markov_w2`` (r -> V), ``gate_proj`` / ``joint_proj`` and the confidence head on R rows;
     - frozen lm_head on the draft rows, forward + input gradient: ``4 * R * H * V``;
-    - the target's distribution (teacher head, forward only): ``2 * R * H * V``;
+    - the target's distribution (teacher head, forward only) once per position a block reads:
+      ``2 * min(R, S) * H * V`` (models/dspark/loss.py reads each position's row from one pass);
     - attention: ``3 * 4 * R * (S / 2 + b) * n_heads * head_dim`` (as DFlash).
 
-    At the Qwen3-8B shape (batch 2 x 2048, 512 anchors, b 7) this gives 74.8 TFLOP: lm_head 17.8,
-    teacher 8.9 and heads 1.7 as issue 12 counts them, layers 46.4 where it counts 42.5 (its
-    attention and K/V-on-context terms are not stated).
+    At the Qwen3-8B shape (batch 2 x 2048, 512 anchors, b 7) this gives 71.0 TFLOP: lm_head 17.8
+    and heads 1.7 as issue 12 counts them, teacher 5.1 where it counts 8.9 (one row per slot row,
+    as SpecForge computes it), layers 46.4 where it counts 42.5 (its attention and K/V-on-context
+    terms are not stated).
     """
     h, d, v, rank = args.hidden_size, args.head_dim, args.vocab_size, args.markov_rank
     s, b = seq_len, args.block_size
@@ -35,6 +37,6 @@ def dspark_flops(args: DSparkArgs, batch_size: int, seq_len: int) -> float:
         head += r * (2 * rank + h) * 3 * rank
     if args.enable_confidence_head:
         head += r * (h + (rank if args.confidence_head_with_markov else 0))
-    tables = 4 * r * h * v + 2 * r * h * v
+    tables = 4 * r * h * v + 2 * min(r, s) * h * v
     attn = 3 * 4 * r * (s / 2 + b) * args.num_attention_heads * d * args.num_layers
     return float(batch_size * (6 * (linear + head) + tables + attn))

@@ -60,13 +60,6 @@ def build_slot_targets(input_ids, loss_mask, valid_lengths, anchors, keep, block
                        mask=mask, weight=mask * decay)
 
 
-def gather_rows(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """``x [B, S, H]`` at ``pos [B, N, b]`` -> ``[B * N * b, H]``."""
-    bsz, _, h = x.shape
-    idx = pos.reshape(bsz, -1, 1).expand(-1, -1, h)
-    return x.gather(1, idx).reshape(-1, h)
-
-
 def dspark_objective(draft, hidden: torch.Tensor, blocks: DraftBlocks, last_hidden: torch.Tensor,
                      input_ids, loss_mask, valid_lengths) -> DraftOutput:
     """Loss sum, denominator and metrics of one micro-batch (module docstring).
@@ -82,13 +75,16 @@ def dspark_objective(draft, hidden: torch.Tensor, blocks: DraftBlocks, last_hidd
     t = build_slot_targets(input_ids, loss_mask, valid_lengths, blocks.anchors, blocks.keep, b, a.loss_gamma, acc)
     rows = hidden.reshape(-1, dim)
     feats, prev_emb = draft.markov_head.block_features(hidden.view(bsz * n, b, dim), t.prev.view(bsz * n, b))
-    teacher = gather_rows(last_hidden, t.teacher_pos).detach()
+    # one target row per position; each slot row reads its own (models/dspark/loss.py)
+    seq = last_hidden.shape[1]
+    teacher = last_hidden.detach().reshape(bsz * seq, dim)
+    teacher_index = (t.teacher_pos + seq * torch.arange(bsz, device=hidden.device)[:, None, None]).reshape(-1)
     w = t.weight.reshape(-1)
     m = t.mask.reshape(-1)
     labels = t.labels.reshape(-1)
     out = markov_distill(rows, feats.reshape(bsz * n * b, -1), draft.markov_head.markov_w2.weight,
                          draft.target_lm_head, teacher, labels, w, ce_weight=a.ce_loss_weight,
-                         l1_weight=a.l1_loss_weight, chunk_rows=a.ce_chunk_rows)
+                         l1_weight=a.l1_loss_weight, chunk_rows=a.ce_chunk_rows, teacher_index=teacher_index)
     loss_sum = out.loss_sum
     # the probability that the target accepts a draft sampled from p_d: sum_v min(p_d, p_t)
     accept = (1.0 - 0.5 * out.l1).clamp(0.0, 1.0)
