@@ -7,7 +7,9 @@ time per kernel category (matmuls, attention, elementwise/fused, reductions, opt
 collectives), the top kernels, the GPU time of the host ops that launched them (with their
 input shapes, which the job's profiler records: a kernel name alone rarely says which tensor it
 was working on), and the host-device syncs seen (cudaStreamSynchronize, cudaDeviceSynchronize,
-device-to-host copies).
+device-to-host copies). A GEMM op's line also gives the rate its kernels' recorded time implies;
+with ``--peak-tflops`` the summary says when some exceed it: then kernel records are missing or
+their durations are off, and only the shares are worth reading (seen on an H200 with torch 2.11).
 """
 
 from __future__ import annotations
@@ -46,7 +48,26 @@ def category(name: str) -> str:
     return "other"
 
 
-def summarize(trace: dict, top: int) -> str:
+def gemm_flops(op: dict) -> float | None:
+    """``2 M K N`` (times the batch for bmm) of a GEMM host op from its input shapes, else None."""
+    name = op.get("name", "")
+    dims = op.get("args", {}).get("Input Dims")
+    if not isinstance(dims, list):
+        return None
+    if name == "aten::addmm" and len(dims) >= 3:
+        dims = dims[1:]
+    if name in ("aten::mm", "aten::addmm", "aten::_scaled_mm") and len(dims) >= 2:
+        a, b = dims[0], dims[1]
+        if len(a) == 2 and len(b) == 2 and a[1] == b[0]:
+            return 2.0 * a[0] * a[1] * b[1]
+    if name == "aten::bmm" and len(dims) >= 2:
+        a, b = dims[0], dims[1]
+        if len(a) == 3 and len(b) == 3 and a[0] == b[0] and a[2] == b[1]:
+            return 2.0 * a[0] * a[1] * a[2] * b[2]
+    return None
+
+
+def summarize(trace: dict, top: int, peak_tflops: float = 0.0) -> str:
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     steps = [e for e in events if str(e.get("name", "")).startswith("ProfilerStep")]
@@ -74,14 +95,26 @@ def summarize(trace: dict, top: int) -> str:
         lines.append(f"  {dur / 1e3:8.1f} ms {n:5d}x  [{category(name)}] {name[:110]}")
     launched = _launching_ops(events)
     by_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    op_flops: dict[str, float] = defaultdict(float)  # summed per launch of the op, not per kernel
     for e in kernels:
         op = launched.get(e.get("args", {}).get("correlation"))
         key = "(no host op)" if op is None else _op_label(op)
         by_op[key][0] += e["dur"]
         by_op[key][1] += 1
+    for op in {id(op): op for op in launched.values()}.values():
+        flops = gemm_flops(op)
+        if flops is not None:
+            op_flops[_op_label(op)] += flops
+    rate = {k: op_flops[k] / (dur * 1e-6) / 1e12 for k, (dur, _) in by_op.items() if op_flops.get(k) and dur > 0}
     lines.append(f"\ntop {top} launching host ops (innermost op around the launch; kernels, GPU time):")
     for key, (dur, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"  {dur / 1e3:8.1f} ms {n:5d}x  {key[:150]}")
+        implied = f"  [{rate[key]:.0f} TFLOP/s]" if key in rate else ""
+        lines.append(f"  {dur / 1e3:8.1f} ms {n:5d}x  {key[:150]}{implied}")
+    over = sorted(k for k, r in rate.items() if peak_tflops and r > peak_tflops)
+    if over:
+        lines.append(f"\nWARNING: {len(over)} GEMM op(s) imply more than the peak {peak_tflops:.0f} TFLOP/s "
+                     f"(e.g. {over[0][:80]}: {rate[over[0]]:.0f}): kernel records are missing or their "
+                     "durations are off; read the shares, not the ms")
     syncs = defaultdict(int)
     for e in events:
         name = str(e.get("name", ""))
@@ -139,8 +172,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="a .json or .json.gz chrome trace written by torch.profiler")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--peak-tflops", type=float, default=0.0,
+                   help="the device's dense GEMM peak (H200 bf16: 989); warn when an op's implied rate is above it")
     args = p.parse_args(argv)
-    print(summarize(_load(args.trace), args.top))
+    print(summarize(_load(args.trace), args.top, args.peak_tflops))
 
 
 if __name__ == "__main__":

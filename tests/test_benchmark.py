@@ -379,6 +379,15 @@ def test_trace_summary_charges_kernels_to_the_innermost_launching_op():
     assert "(no host op)" in ops
     # ordered by GPU time: the mm's 30 us first, then the backward's 20
     assert ops.index("aten::mm") < ops.index("_log_softmax_backward_data") < ops.index("aten::linear")
+    # the mm's 2 * 4 * 8 * 16 FLOP in its kernel's 30 us; no warning without a peak, one above it
+    assert "aten::mm [[4, 8], [8, 16]]  [0 TFLOP/s]" in ops and "WARNING" not in text
+    assert trace_summary.gemm_flops({"name": "aten::mm", "args": {"Input Dims": [[4, 8], [8, 16]]}}) == 1024
+    assert trace_summary.gemm_flops({"name": "aten::addmm", "args": {"Input Dims": [[16], [4, 8], [8, 16]]}}) == 1024
+    assert trace_summary.gemm_flops({"name": "aten::bmm", "args": {"Input Dims": [[3, 4, 8], [3, 8, 16]]}}) == 3072
+    assert trace_summary.gemm_flops({"name": "aten::add", "args": {"Input Dims": [[4, 8], [4, 8]]}}) is None
+    slow = trace_summary.summarize(trace, top=10, peak_tflops=1e-5)  # 1024 FLOP / 30 us = 3.4e-5
+    assert "WARNING: 1 GEMM op(s) imply more than the peak" in slow and "aten::mm [[4, 8], [8, 16]]" in slow
+    assert "WARNING" not in trace_summary.summarize(trace, top=10, peak_tflops=1e-4)
 
 
 @pytest.mark.parametrize("draft,samples_per_s,speedup,anchor", [

@@ -71,7 +71,7 @@ for st in ${STAGES:-tests recipe}; do
         --job.dump_folder outputs/rprof --training.steps 40 --profiling.enable_profiling true \
         --profiling.profile_freq 30 --eval.enable false --checkpoint.enable false > $L/rprofile.log 2>&1
       for t in outputs/rprof/profile_traces/iteration_*/rank0_trace.json; do
-        [ -e "$t" ] && python3 scripts/trace_summary.py "$t" > $L/trace_recipe.txt 2>&1 && touch $B/state/rprofile
+        [ -e "$t" ] && python3 scripts/trace_summary.py --peak-tflops 989 "$t" > $L/trace_recipe.txt 2>&1 && touch $B/state/rprofile
       done
       log "recipe profile: $(head -1 $L/trace_recipe.txt 2>/dev/null)" ;;
     export)
@@ -86,7 +86,7 @@ for st in ${STAGES:-tests recipe}; do
         --timeout $b >> $L/bench.log 2>&1
       log "bench rc $?"
       for t in outputs/bench_f8/traces/*; do
-        [ -e "$t" ] && python3 scripts/trace_summary.py "$t" > $L/trace_$(basename $t .pt.trace.json.gz).txt 2>&1
+        [ -e "$t" ] && python3 scripts/trace_summary.py --peak-tflops 989 "$t" > $L/trace_$(basename $t .pt.trace.json.gz).txt 2>&1
       done ;;
     offline)
       [ -f $B/state/offline ] && continue
