@@ -181,6 +181,62 @@ def _scenario_frozen(rank, mesh):
             "all_sharded_after_forward": all(isinstance(p, DTensor) for p in model.parameters())}
 
 
+class Unrolled(Tiny):
+    """Tiny whose one block forward calls three times, as EAGLE-3's training-time test does."""
+
+    def __init__(self):
+        super().__init__()
+        del self.blocks["1"]
+
+    def forward(self, x):
+        h = self.embed(x)
+        for _ in range(3):
+            h = self.blocks["0"](h)
+        return self.head(self.norm(h))
+
+
+def _scenario_reused_block(rank, mesh):
+    """apply_fsdp(shard_blocks=False) leaves a block that forward calls 3 times to the root unit,
+    gathered once a step with the root's own parameters (not 3 + 3 gathers of its own), and
+    trains as the unsharded reference does."""
+    from torch.distributed.tensor import DTensor
+
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(torch.distributed, n)]
+    calls = {"n": 0}
+    saved = {n: getattr(torch.distributed, n) for n in names}
+
+    def counting(fn):
+        def wrapped(*args, **kwargs):
+            calls["n"] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    out = {}
+    for reused in (False, True):  # reused: shard_blocks=False
+        torch.manual_seed(0)
+        ref = Unrolled()
+        model = copy.deepcopy(ref)
+        apply_fsdp(model, mesh, blocks=model.blocks, extra_groups=[[model.norm, model.head]],
+                   param_dtype="float32", reduce_dtype="float32", gradient_divide_factor=1.0,
+                   shard_blocks=not reused)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+        for n in names:
+            setattr(torch.distributed, n, counting(saved[n]))
+        try:
+            calls["n"] = 0
+            loss = model(x).square().sum()
+            block_sharded = any(isinstance(p, DTensor) for p in model.blocks["0"].parameters())
+            loss.backward()
+            gathers = calls["n"]
+        finally:
+            for n in names:
+                setattr(torch.distributed, n, saved[n])
+        model.zero_grad(set_to_none=True)
+        res = _run_training(model, ref, rank, steps=2) if reused else {}
+        out[str(reused)] = {"gathers": gathers, "block_sharded_after_forward": block_sharded, **res}
+    return out
+
+
 def _scenario_helpers(rank, mesh):
     t = torch.tensor([float(rank + 1), 10.0 * rank])
     s, m = dist_sum(t), dist_max(t)
@@ -194,6 +250,7 @@ SCENARIOS = {
     "ac_compile_fqns": _scenario_ac_compile_fqns,
     "float8": _scenario_float8,
     "frozen": _scenario_frozen,
+    "reused_block": _scenario_reused_block,
     "helpers": _scenario_helpers,
 }
 
@@ -289,6 +346,18 @@ def test_frozen_fsdp_forward_and_reshard(two_ranks):
     for r in _scenario(two_ranks, "frozen"):
         assert r["err"] < 1e-5
         assert r["all_sharded_after_forward"]
+
+
+@pytest.mark.slow
+def test_block_called_several_times_is_gathered_once(two_ranks):
+    for r in _scenario(two_ranks, "reused_block"):
+        default, reused = r["False"], r["True"]
+        assert default["block_sharded_after_forward"] and not reused["block_sharded_after_forward"]
+        # the block's own 3 forward + 3 backward gathers are gone: the root's one gather (which
+        # the head group's one keeps company either way) now carries its parameters
+        assert default["gathers"] - reused["gathers"] == 6, (default["gathers"], reused["gathers"])
+        assert reused["loss"] == pytest.approx(reused["ref_loss"], rel=1e-5)
+        assert reused["grad_err"] < 1e-5 and reused["param_err"] < 1e-5
 
 
 @pytest.mark.slow

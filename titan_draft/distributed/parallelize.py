@@ -94,9 +94,15 @@ def apply_fsdp(
     reduce_dtype: str | torch.dtype = "float32",
     reshard_after_forward: str = "default",
     gradient_divide_factor: float | None = None,
+    shard_blocks: bool = True,
 ) -> nn.Module:
     """FSDP2 in torchtitan's order: each block, then each extra group (e.g. [norm, head]) as one
     unit, then the root (which takes every parameter left over).
+
+    ``shard_blocks=False``: the blocks get no unit of their own and join the root, which is
+    gathered once a step. For a draft whose forward calls its blocks several times a step
+    (EAGLE-3's training-time test calls its one layer 7 times): as a unit of its own, a block is
+    gathered again by each call and by each call's backward, 14 times a step for 7 calls.
 
     ``gradient_divide_factor``: None keeps FSDP's mean over the DP ranks. 1.0 sums instead
     (torchtitan's choice), right when each rank's loss is already divided by the *global*
@@ -104,7 +110,7 @@ def apply_fsdp(
     """
     mp = MixedPrecisionPolicy(param_dtype=to_dtype(param_dtype), reduce_dtype=to_dtype(reduce_dtype))
     reshard = _reshard_value(reshard_after_forward)
-    modules = block_modules(blocks)
+    modules = block_modules(blocks) if shard_blocks else []
     for block in modules:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     for group in extra_groups:
@@ -172,11 +178,12 @@ def _reshard_root_hook(module: nn.Module, args, output):
 
 
 def parallelize_blocks(model: nn.Module, job_config, dp_mesh: DeviceMesh | None, *, blocks: Blocks,
-                       groups: Sequence[Sequence[nn.Module]] = ()) -> nn.Module:
+                       groups: Sequence[Sequence[nn.Module]] = (), shard_blocks: bool = True) -> nn.Module:
     """The shared body of every draft's ``parallelize_fn``: activation checkpointing (if on) ->
     in-place compile of each block -> ``fully_shard`` per block, then each group, then the root,
     with ``MixedPrecisionPolicy(param, reduce)`` from the job. ``groups`` are the trainable
-    modules outside the blocks that share an FSDP unit (e.g. ``[fc, hidden_norm]``)."""
+    modules outside the blocks that share an FSDP unit (e.g. ``[fc, hidden_norm]``);
+    ``shard_blocks=False`` leaves the blocks to the root unit (:func:`apply_fsdp`)."""
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(blocks, job_config.activation_checkpoint.mode)
     if job_config.compile.enable:
@@ -184,7 +191,8 @@ def parallelize_blocks(model: nn.Module, job_config, dp_mesh: DeviceMesh | None,
     if dp_mesh is not None:
         param_dtype, reduce_dtype = mixed_precision_dtypes(job_config, dp_mesh.device_type)
         apply_fsdp(model, dp_mesh, blocks=blocks, extra_groups=groups, param_dtype=param_dtype,
-                   reduce_dtype=reduce_dtype, reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward)
+                   reduce_dtype=reduce_dtype, reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
+                   shard_blocks=shard_blocks)
     return model
 
 
