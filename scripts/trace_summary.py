@@ -7,7 +7,10 @@ time per kernel category (matmuls, attention, elementwise/fused, reductions, opt
 collectives), the top kernels, the GPU time of the host ops that launched them (with their
 input shapes, which the job's profiler records: a kernel name alone rarely says which tensor it
 was working on), and the host-device syncs seen (cudaStreamSynchronize, cudaDeviceSynchronize,
-device-to-host copies). A GEMM op's line also gives the rate its kernels' recorded time implies;
+device-to-host copies), and per region the trainer names (``titan_draft.features``,
+``.draft_forward``, ``.backward``, ``.optimizer``) its host time, its span on the GPU and the
+kernel time inside that span: a region whose GPU span is much longer than its kernel time is
+waiting for the host. A GEMM op's line also gives the rate its kernels' recorded time implies;
 with ``--peak-tflops`` the summary says when some exceed it: then kernel records are missing or
 their durations are off, and only the shares are worth reading (seen on an H200 with torch 2.11).
 """
@@ -115,6 +118,7 @@ def summarize(trace: dict, top: int, peak_tflops: float = 0.0) -> str:
         lines.append(f"\nWARNING: {len(over)} GEMM op(s) imply more than the peak {peak_tflops:.0f} TFLOP/s "
                      f"(e.g. {over[0][:80]}: {rate[over[0]]:.0f}): kernel records are missing or their "
                      "durations are off; read the shares, not the ms")
+    lines.extend(_regions(events, kernels))
     syncs = defaultdict(int)
     for e in events:
         name = str(e.get("name", ""))
@@ -122,6 +126,34 @@ def summarize(trace: dict, top: int, peak_tflops: float = 0.0) -> str:
             syncs[name] += 1
     lines.append("\nhost runtime calls that can block: " + (", ".join(f"{k} x{v}" for k, v in sorted(syncs.items())) or "none"))
     return "\n".join(lines)
+
+
+REGION_PREFIX = "titan_draft."
+
+
+def _regions(events: list[dict], kernels: list[dict]) -> list[str]:
+    """Host time, GPU span and kernel time inside the span of each named region (summed over its
+    occurrences: micro-batches and profiled steps)."""
+    host: dict[str, float] = defaultdict(float)
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for e in events:
+        name = str(e.get("name", ""))
+        if not name.startswith(REGION_PREFIX):
+            continue
+        if e.get("cat") == "user_annotation":
+            host[name] += e["dur"]
+        elif e.get("cat") == "gpu_user_annotation":
+            spans[name].append((e["ts"], e["ts"] + e["dur"]))
+    if not host and not spans:
+        return []
+    lines = ["\nnamed regions (host time; GPU span; kernel time inside the span):"]
+    for name in sorted(set(host) | set(spans), key=lambda n: -sum(b - a for a, b in spans.get(n, []))):
+        span = sum(b - a for a, b in spans.get(name, []))
+        busy = sum(_union([(max(k["ts"], a), min(k["ts"] + k["dur"], b)) for k in kernels
+                           if k["ts"] < b and k["ts"] + k["dur"] > a]) for a, b in spans.get(name, []))
+        lines.append(f"  {name[len(REGION_PREFIX):]:14s} host {host.get(name, 0.0) / 1e3:8.1f} ms   "
+                     f"GPU span {span / 1e3:8.1f} ms   kernels {busy / 1e3:8.1f} ms")
+    return lines
 
 
 def _launching_ops(events: list[dict]) -> dict:

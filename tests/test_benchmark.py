@@ -390,6 +390,35 @@ def test_trace_summary_charges_kernels_to_the_innermost_launching_op():
     assert "WARNING" not in trace_summary.summarize(trace, top=10, peak_tflops=1e-4)
 
 
+def test_trace_summary_named_regions():
+    """Per region the trainer names: host time, GPU span, and only the kernel time inside the span
+    (overlaps counted once; a kernel straddling the span's end counts up to it)."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        import trace_summary
+    finally:
+        sys.path.pop(0)
+    ev = lambda name, cat, ts, dur: {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}  # noqa: E731
+    trace = {"traceEvents": [
+        ev("titan_draft.features", "user_annotation", 0, 400),
+        ev("titan_draft.features", "gpu_user_annotation", 100, 1000),
+        ev("titan_draft.backward", "user_annotation", 400, 50),
+        ev("titan_draft.backward", "gpu_user_annotation", 2000, 500),
+        ev("other_annotation", "gpu_user_annotation", 0, 5000),
+        ev("k1", "kernel", 100, 200),
+        ev("k2", "kernel", 250, 100),  # overlaps k1 by 50
+        ev("k3", "kernel", 850, 300),  # 250 of it inside the features span
+        ev("k4", "kernel", 2100, 400),
+    ]}
+    regions = trace_summary.summarize(trace, top=5).split("named regions")[1].split("host runtime")[0]
+    lines = [" ".join(line.split()) for line in regions.strip().splitlines()[1:]]
+    # by GPU span; k1 + k2 count 250 us once, k3 up to the span's end
+    assert lines == ["features host 0.4 ms GPU span 1.0 ms kernels 0.5 ms",
+                     "backward host 0.1 ms GPU span 0.5 ms kernels 0.4 ms"]
+    assert "other_annotation" not in regions
+    assert "named regions" not in trace_summary.summarize({"traceEvents": trace["traceEvents"][5:]}, top=5)
+
+
 @pytest.mark.parametrize("draft,samples_per_s,speedup,anchor", [
     ("dspark", 12.86, "2.00", "| SpecForge dspark (anchor) | varmask | 1 | synthetic | FSDP1 eager | 311 | 6.43 |"),
     ("eagle3", 12.08, "1.23", "| SpecForge eagle3 (anchor) | varmask | 1 | synthetic | FSDP1 eager | 203 | 9.85 |"),
