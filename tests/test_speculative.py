@@ -77,6 +77,29 @@ def test_tau_of_scripted_drafts(target, right, k):
     assert report.lossless == 1 and report.summary()["divergences"] == []
 
 
+def test_greedy_cache_decodes_each_prompt_plainly_once(target, monkeypatch):
+    """With a greedy_cache, the first evaluate decodes each prompt plainly and a second reuses
+    those decodes (the training evals' frozen target): the same report, no second plain decode."""
+    import titan_draft.components.acceptance as acceptance
+
+    calls = []
+    real = acceptance.greedy_decode
+    monkeypatch.setattr(acceptance, "greedy_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompts = [EvalPrompt("a", _prompt(7, 1)), EvalPrompt("b", _prompt(5, 2))]
+    truths = [real(target, p.ids, 20, [], CPU).tokens for p in prompts]
+    cache: dict = {}
+    reports = []
+    for _ in range(2):
+        proposers = [ScriptedProposer(p.ids, t, 3, 2) for p, t in zip(prompts, truths)]
+        for p, prop in zip(prompts, proposers):
+            reports.append(evaluate(target, prop, [p], max_new_tokens=12, stop_ids=[], device=CPU,
+                                    greedy_cache=cache if p is prompts[0] else None))
+    # prompt a: decoded plainly once over both rounds; prompt b (no cache): every round
+    assert len(calls) == 1 + 2 and list(cache) == [(tuple(prompts[0].ids), 12, ())]
+    assert [r.summary()["tau"] for r in reports[:2]] == [r.summary()["tau"] for r in reports[2:]]
+    assert all(r.lossless == 1 for r in reports)
+
+
 def test_stop_token_and_max_new_tokens_cut_like_greedy(target):
     prompt = _prompt(7, 1)
     truth = greedy_decode(target, prompt, 40, [], CPU).tokens

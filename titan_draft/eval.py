@@ -127,6 +127,7 @@ class Evaluator:
             raise ValueError(f"eval.prompts: {list(e.prompts)} gave no prompts")
         self.stop_ids = stop_token_ids(tokenizer, template)
         self.folder = os.path.join(cfg.job.dump_folder, e.folder)
+        self.greedy_cache: dict = {}  # the frozen target's plain decodes, the same at every eval
 
     def should_run(self, step: int, total_steps: int) -> bool:
         return self.enabled and due_every(step, total_steps, self.cfg.eval.interval)
@@ -140,7 +141,7 @@ class Evaluator:
         report = evaluate(self.target, self.spec.build_proposer_fn(draft), self.prompts,
                           max_new_tokens=self.cfg.eval.max_new_tokens, stop_ids=self.stop_ids,
                           device=self.device, check_lossless=self.cfg.eval.check_lossless,
-                          cuda_graphs=self.cfg.eval.cuda_graphs)
+                          cuda_graphs=self.cfg.eval.cuda_graphs, greedy_cache=self.greedy_cache)
         del draft
         if is_rank0:
             os.makedirs(self.folder, exist_ok=True)

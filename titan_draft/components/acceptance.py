@@ -186,7 +186,7 @@ def _prompt_report(prompt: EvalPrompt, spec, greedy, divergence: Divergence | No
 @torch.no_grad()
 def evaluate(target, proposer: Proposer, prompts: list[EvalPrompt], *, max_new_tokens: int,
              stop_ids, device: torch.device, check_lossless: bool = True, temperature: float = 0.0,
-             seed: int = 0, cuda_graphs: bool = True) -> EvalReport:
+             seed: int = 0, cuda_graphs: bool = True, greedy_cache: dict | None = None) -> EvalReport:
     """Speculative (and, with ``check_lossless``, plain) decoding of every prompt: greedy, or at
     ``temperature`` > 0 speculative sampling with prompt i's draws seeded ``seed + i`` (the plain
     run then only gives the speed to compare with).
@@ -194,6 +194,9 @@ def evaluate(target, proposer: Proposer, prompts: list[EvalPrompt], *, max_new_t
     With a process group of several ranks, rank ``r`` decodes prompts ``r, r + W, ...`` and the
     returned report (the same on every rank) holds all of them in order. ``cuda_graphs``: the
     target's decode steps replay as CUDA graphs where they can (``cuda_graphs.maybe_graphed``).
+    ``greedy_cache`` (greedy only): plain decodes by prompt and length, filled by the first call and
+    reused by the next; the target is frozen, so they would come out the same (training's evals
+    pay for them once; their speed is then the first eval's).
     """
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world > 1 else 0
@@ -205,7 +208,12 @@ def evaluate(target, proposer: Proposer, prompts: list[EvalPrompt], *, max_new_t
         spec = speculative_decode(stepped, proposer, p.ids, max_new_tokens, stop_ids, device, rule=rule)
         greedy = divergence = None
         if check_lossless:
-            greedy = greedy_decode(stepped, p.ids, max_new_tokens, stop_ids, device, rule=_rule(temperature, seed + i))
+            key = (tuple(p.ids), max_new_tokens, tuple(sorted(stop_ids)))
+            greedy = greedy_cache.get(key) if greedy_cache is not None and rule is None else None
+            if greedy is None:
+                greedy = greedy_decode(stepped, p.ids, max_new_tokens, stop_ids, device, rule=_rule(temperature, seed + i))
+                if greedy_cache is not None and rule is None:
+                    greedy_cache[key] = greedy
             if rule is None:
                 divergence = compare(stepped, p.ids, greedy, spec, device)
         mine.append((i, _prompt_report(p, spec, greedy, divergence, sampled=rule is not None)))
