@@ -321,14 +321,20 @@ def test_report_merges_folders_and_shows_failures(tmp_path):
     assert "timeout (420 s)" in rows[1] and "RuntimeError: boom" in table
 
 
-def test_trace_summary_busy_time_and_categories():
-    """scripts/trace_summary.py: overlapping kernels count once in busy time; kernels land in
-    their categories; blocking runtime calls are counted."""
+def _trace_summary():
+    """scripts/trace_summary.py as a module (scripts/ is not a package path)."""
     sys.path.insert(0, os.path.join(REPO, "scripts"))
     try:
         import trace_summary
     finally:
         sys.path.pop(0)
+    return trace_summary
+
+
+def test_trace_summary_busy_time_and_categories():
+    """scripts/trace_summary.py: overlapping kernels count once in busy time; kernels land in
+    their categories; blocking runtime calls are counted."""
+    trace_summary = _trace_summary()
     ev = lambda name, cat, ts, dur: {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}  # noqa: E731
     trace = {"traceEvents": [
         ev("ProfilerStep#1", "user_annotation", 0, 1000),
@@ -349,11 +355,7 @@ def test_trace_summary_charges_kernels_to_the_innermost_launching_op():
     """Each kernel's GPU time goes to the innermost host op around its launch on the launching
     thread (matched by correlation id), labelled with its input shapes; a launch outside every
     op is counted apart."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    try:
-        import trace_summary
-    finally:
-        sys.path.pop(0)
+    trace_summary = _trace_summary()
 
     def ev(name, cat, ts, dur, tid=1, **args):
         return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": args}
@@ -393,11 +395,7 @@ def test_trace_summary_charges_kernels_to_the_innermost_launching_op():
 def test_trace_summary_named_regions():
     """Per region the trainer names: host time, GPU span, and only the kernel time inside the span
     (overlaps counted once; a kernel straddling the span's end counts up to it)."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    try:
-        import trace_summary
-    finally:
-        sys.path.pop(0)
+    trace_summary = _trace_summary()
     ev = lambda name, cat, ts, dur: {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}  # noqa: E731
     trace = {"traceEvents": [
         ev("titan_draft.features", "user_annotation", 0, 400),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The SmolLM2 GPU recipe end to end -- target folder, the regeneration passes, the 6000-step
+# The SmolLM2 GPU recipe end to end -- target folder, the regeneration passes, the 7200-step
 # train_configs/dflash2_smollm2.toml job, true-tau evals -- on a machine lent in command slots of a
 # few minutes. Each run does what fits before DEADLINE (epoch seconds) and stops cleanly; the same
 # command continues where the last one stopped (regeneration and training both resume).
