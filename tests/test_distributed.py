@@ -237,6 +237,27 @@ def _scenario_reused_block(rank, mesh):
     return out
 
 
+def _scenario_compiled_frozen_capture(rank, mesh):
+    """A target sharded by apply_fsdp_frozen captures through its compiled layer (dynamo leaves
+    FSDP2's unshard hooks to run eagerly) what the unsharded eager target captures."""
+    from dataclasses import replace
+
+    from models.qwen3 import Qwen3Model, qwen3_flavors
+
+    args = replace(qwen3_flavors["debugmodel"], vocab_size=97, hidden_size=32, intermediate_size=48, head_dim=8)
+    ref = Qwen3Model(args)
+    ref.init_weights(seed=3)
+    ref.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    apply_fsdp_frozen(model, mesh, model.layers, "float32")  # as load_target shards a target
+    model.compile_capture("inductor")
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        aux, last = model.capture(ids, [0, 3], need_last_hidden=True)
+        want_aux, want_last = ref.capture(ids, [0, 3], need_last_hidden=True)
+    return {"aux_err": (aux - want_aux).abs().max().item(), "last_err": (last - want_last).abs().max().item()}
+
+
 def _scenario_helpers(rank, mesh):
     t = torch.tensor([float(rank + 1), 10.0 * rank])
     s, m = dist_sum(t), dist_max(t)
@@ -251,6 +272,7 @@ SCENARIOS = {
     "float8": _scenario_float8,
     "frozen": _scenario_frozen,
     "reused_block": _scenario_reused_block,
+    "compiled_frozen_capture": _scenario_compiled_frozen_capture,
     "helpers": _scenario_helpers,
 }
 
@@ -358,6 +380,12 @@ def test_block_called_several_times_is_gathered_once(two_ranks):
         assert default["gathers"] - reused["gathers"] == 6, (default["gathers"], reused["gathers"])
         assert reused["loss"] == pytest.approx(reused["ref_loss"], rel=1e-5)
         assert reused["grad_err"] < 1e-5 and reused["param_err"] < 1e-5
+
+
+@pytest.mark.slow
+def test_sharded_target_captures_through_its_compiled_layer(two_ranks):
+    for r in _scenario(two_ranks, "compiled_frozen_capture"):
+        assert r["aux_err"] < 1e-5 and r["last_err"] < 1e-5, r
 
 
 @pytest.mark.slow

@@ -123,6 +123,30 @@ def test_capture_early_stop_same_aux_and_skips_layers():
         model.capture(ids, [], need_last_hidden=False)
 
 
+def test_compiled_capture_equals_eager_in_one_graph_and_leaves_decoding_eager():
+    """compile_capture (compile.target): the capture path's layers run one compiled graph that
+    every layer reuses, with the eager capture's outputs; decoding with a cache is not compiled."""
+    from torch._dynamo.utils import counters
+
+    model = _model().float()
+    eager = _model().float()
+    ids = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    torch._dynamo.reset()
+    counters.clear()
+    model.compile_capture("inductor")
+    aux, last = model.capture(ids, [0, 2, 4], need_last_hidden=True)
+    want_aux, want_last = eager.capture(ids, [0, 2, 4], need_last_hidden=True)
+    torch.testing.assert_close(aux, want_aux, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last, want_last, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1 and ARGS.num_hidden_layers > 1
+    model.capture(ids, [1], need_last_hidden=False)  # the same graph again, no recompile
+    cache = model.new_cache(2, 20)
+    step = model(ids[:, :4], [1], False, cache=cache, logits="last")
+    want = eager(ids[:, :4], [1], False, cache=eager.new_cache(2, 20), logits="last")
+    torch.testing.assert_close(step.logits, want.logits, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_init_weights_deterministic():
     a, b, c = _model(seed=3), _model(seed=3), _model(seed=4)
     for k, v in a.state_dict().items():

@@ -67,6 +67,7 @@ def test_dflash2(two_rank_runs):
     dump, _ = two_rank_runs("dflash2")
     info = json.loads((dump / "run_info.json").read_text())
     assert info["world_size"] == 2 and info["compile"] is True and info["float8"]
+    assert info["compile_target"] is True  # the FSDP-sharded target captured through its compiled layer
     # the trainer converts before parallelize_fn: every block Linear (2 layers x q k v o, gate up
     # down, two conv kernel projections), never the Linears the draft keeps in high precision
     f8 = info["float8"]

@@ -79,6 +79,10 @@ class Qwen3DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _call_layer(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return layer(h, cos, sin)
+
+
 class Qwen3Model(nn.Module):
     """Qwen3 decoder (HF names: ``embed_tokens``, ``layers.{i}``, ``norm``, ``lm_head``).
 
@@ -98,6 +102,14 @@ class Qwen3Model(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._capture_layer = _call_layer  # compile_capture swaps in a compiled one
+
+    def compile_capture(self, backend: str = "inductor") -> None:
+        """Compile the decoder layer call of the capture path (no cache, fixed shapes): one graph
+        that every layer reuses, since their code and shapes are the same. Eager, the 28 layers
+        SmolLM2 runs for a capture are ~1600 small ops (norms, RoPE and SwiGLU in many passes).
+        Decoding with a cache stays eager, so the evals' CUDA graphs are untouched."""
+        self._capture_layer = torch.compile(_call_layer, backend=backend)
 
     def tie_weights(self) -> None:
         """Make ``lm_head.weight`` the embedding again when the args tie them: ``to_empty`` after
@@ -175,7 +187,7 @@ class Qwen3Model(nn.Module):
         last = len(self.layers) - 1 if need_last_hidden else max(layer_ids)
         outs: dict[int, torch.Tensor] = {}
         for i in range(last + 1):
-            h = self.layers[str(i)](h, cos, sin)
+            h = self._capture_layer(self.layers[str(i)], h, cos, sin)
             if i in wanted:
                 outs[i] = h
         aux = torch.cat([outs[i] for i in layer_ids], dim=-1)

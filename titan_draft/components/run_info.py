@@ -39,6 +39,7 @@ def build_run_info(trainer: Any, *, target_dtype: str, template: str, n_params: 
         "param_dtype": mixed_precision_dtypes(cfg, trainer.device.type)[0],
         "static_shapes": cfg.training.static_shapes,
         "compile": cfg.compile.enable,
+        "compile_target": trainer.target.compiled,
         "float8": trainer.float8.describe(),
         "activation_checkpoint": cfg.activation_checkpoint.mode,
         "attention": "flex (compiled)" if on_gpu else "sdpa with dense mask (cpu)",

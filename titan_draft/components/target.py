@@ -163,18 +163,23 @@ def build_target(cfg, device: torch.device, dtype: torch.dtype, mesh=None) -> Ta
     """The job's frozen target on ``device`` in ``dtype``: loaded from ``target.path``, or a
     seeded random-weight ``target.flavor``; sharded over ``mesh`` when one is given."""
     tcfg = cfg.target
+    if is_synthetic_target(tcfg.flavor) and not tcfg.path:  # benchmarks: random captured features, no forward
+        return build_synthetic_target(cfg, device, dtype)
     if tcfg.path:
         model = load_target(tcfg.path, dtype=dtype, device=device, mesh=mesh)
-        return TargetBundle(model=model, args=model.args, family=model.family, source=tcfg.path)
-    if is_synthetic_target(tcfg.flavor):  # benchmarks: random captured features, no forward
-        return build_synthetic_target(cfg, device, dtype)
-    args = random_target_args(tcfg.family, tcfg.flavor)
-    with torch.device("meta"):
-        model = get_target_spec(tcfg.family).model_cls(args)
-    _freeze_and_place(model, _resolve_device(device), dtype, mesh)
-    # drawn in fp32 and cast, so a random target has the same values in every dtype
-    model.init_weights(seed=tcfg.seed)
-    return TargetBundle(model=model, args=args, family=tcfg.family, source=f"random:{tcfg.flavor}")
+        bundle = TargetBundle(model=model, args=model.args, family=model.family, source=tcfg.path)
+    else:
+        args = random_target_args(tcfg.family, tcfg.flavor)
+        with torch.device("meta"):
+            model = get_target_spec(tcfg.family).model_cls(args)
+        _freeze_and_place(model, _resolve_device(device), dtype, mesh)
+        # drawn in fp32 and cast, so a random target has the same values in every dtype
+        model.init_weights(seed=tcfg.seed)
+        bundle = TargetBundle(model=model, args=args, family=tcfg.family, source=f"random:{tcfg.flavor}")
+    if cfg.compile.enable and cfg.compile.target:
+        bundle.model.compile_capture(cfg.compile.backend)
+        bundle.compiled = True
+    return bundle
 
 
 @torch.no_grad()

@@ -187,6 +187,10 @@ class Compile:
     backend: str = "inductor"
     """torch.compile backend: 'inductor' for speed; 'aot_eager' or 'eager' to debug a compile
     problem (same graphs, no generated kernels)."""
+    target: bool = True
+    """With enable: also compile the frozen target's decoder layer where training (and
+    prepare_features) captures features, one graph shared by every layer; decoding in the evals
+    stays eager (and CUDA-graphed)."""
 
 
 @dataclass

@@ -8,6 +8,8 @@ registers by being importable there), then answers or names what is supported.
 A target model (``model_cls(args)``, built on the meta device) offers:
 - ``capture(input_ids, layer_ids, need_last_hidden) -> (aux [B, S, K*H], last_hidden | None)``:
   capture id ``i`` is the output of decoder layer ``i`` (HF ``hidden_states[i + 1]``);
+- ``compile_capture(backend)``: compile what ``capture`` runs (``compile.target``), leaving
+  decoding with a cache as it is;
 - ``model(input_ids) -> logits`` and, for decoding, ``new_cache(batch, max_len, pad=None)``
   and ``model(ids, layer_ids, need_last_hidden, cache=..., logits='all'|'last'|'none')`` ->
   a ``DecodeStep`` (fp32 logits, capture outputs of the new tokens);
@@ -57,6 +59,8 @@ class TargetBundle:
     family: str
     source: str
     """The checkpoint folder, 'random:<flavor>' or 'synthetic:<flavor>'."""
+    compiled: bool = False
+    """Its capture path runs compiled (``compile.target``)."""
 
     @property
     def info(self) -> dict:
