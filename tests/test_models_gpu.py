@@ -142,3 +142,30 @@ def test_compiled_chunked_ce_matches_float64_reference(scale, cap, topk_group):
     assert (out.argmax.cpu() == u.detach().argmax(-1)).float().mean() > 0.95  # near-ties aside
     # the gradient comes back in bf16 (hidden's dtype): steps of 1/128 at |g| ~ 2-4
     torch.testing.assert_close(h1.grad.cpu().double(), h2.grad, rtol=2e-2, atol=2e-2)
+
+
+def test_compiled_target_capture_matches_eager_in_bf16():
+    """compile.target on CUDA in bf16 (GQA, causal sdpa): one graph for every layer, the eager
+    capture's features within bf16 rounding, and decoding (cache path) still eager."""
+    from torch._dynamo.utils import counters
+
+    dev = torch.device("cuda")
+    targs = replace(qwen3_flavors["debugmodel"], vocab_size=1024)
+    eager = Qwen3Model(targs).to(dev)
+    eager.init_weights(0)
+    eager.to(torch.bfloat16).requires_grad_(False)
+    compiled = Qwen3Model(targs).to(dev)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.to(torch.bfloat16).requires_grad_(False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled.compile_capture("inductor")
+    ids = torch.randint(0, 1024, (4, 256), device=dev, generator=torch.Generator(dev).manual_seed(0))
+    with torch.no_grad():
+        aux, last = compiled.capture(ids, [1, 3], need_last_hidden=True)
+        want_aux, want_last = eager.capture(ids, [1, 3], need_last_hidden=True)
+        step = compiled(ids[:, :8], [1], False, cache=compiled.new_cache(4, 16), logits="last")
+    assert counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(aux.float(), want_aux.float(), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(last.float(), want_last.float(), rtol=0.05, atol=0.05)
+    assert step.logits.isfinite().all()
