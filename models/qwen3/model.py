@@ -105,7 +105,7 @@ class Qwen3Model(nn.Module):
         self._capture_layer = _call_layer  # compile_capture swaps in a compiled one
 
     def compile_capture(self, backend: str = "inductor") -> None:
-        """Compile the decoder layer call of the capture path (no cache, fixed shapes): one graph
+        """Compile the decoder layer call of the capture path (no cache): one graph
         that every layer reuses, since their code and shapes are the same. Eager, the 28 layers
         SmolLM2 runs for a capture are ~1600 small ops (norms, RoPE and SwiGLU in many passes).
         Decoding with a cache stays eager, so the evals' CUDA graphs are untouched."""
