@@ -231,6 +231,9 @@ class Trainer:
         for p in self.params:
             if p.grad is not None:
                 p.grad.mul_(scale)
+        if not any(p.grad is not None for p in self.params):
+            raise RuntimeError(f"step {step}: no trainable parameter of the draft received a gradient "
+                               "(its loss does not reach them, or FSDP did not reduce them)")
         max_norm = self.cfg.training.max_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"), foreach=True)
         if isinstance(grad_norm, DTensor):  # FSDP2: the norm of the sharded gradients

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._pytree import register_dataclass
 
 
 @dataclass
@@ -47,3 +48,10 @@ class DraftOutput:
     metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     """name -> (numerator, denominator) scalar sums; the trainer sums both over micro-batches and
     ranks and logs numerator / denominator."""
+
+
+# FSDP2 hooks a unit's backward onto the tensors of its forward's output, found with pytree. Up to
+# torch 2.11 that is ``tree_flatten``, which does not look inside an unregistered dataclass: a draft
+# whose root is its only FSDP unit (EAGLE-3) then never queued FSDP's post-backward, and not one
+# gradient reached its sharded parameters (seen on the H200, 2026-12-02).
+register_dataclass(DraftOutput)
