@@ -10,9 +10,13 @@ was working on), and the host-device syncs seen (cudaStreamSynchronize, cudaDevi
 device-to-host copies), and per region the trainer names (``titan_draft.features``,
 ``.draft_forward``, ``.backward``, ``.optimizer``) its host time, its span on the GPU and the
 kernel time inside that span: a region whose GPU span is much longer than its kernel time is
-waiting for the host. A GEMM op's line also gives the rate its kernels' recorded time implies;
-with ``--peak-tflops`` the summary says when some exceed it: then kernel records are missing or
-their durations are off, and only the shares are worth reading (seen on an H200 with torch 2.11).
+waiting for the host. The GPU's idle time inside the steps is charged to the host op under each
+gap (a model op there: the host is too slow to keep the device fed), and the blocking runtime
+calls are counted with the host time spent in them (time the host waited on the device). A GEMM
+op's line also gives the rate its kernels' recorded time implies; with ``--peak-tflops`` the
+summary says when some exceed it: then kernel records are missing or their durations are off,
+and only the shares are worth reading (seen on an H200 with torch 2.11; float8 GEMMs have twice
+the bf16 peak).
 """
 
 from __future__ import annotations
@@ -119,13 +123,63 @@ def summarize(trace: dict, top: int, peak_tflops: float = 0.0) -> str:
                      f"(e.g. {over[0][:80]}: {rate[over[0]]:.0f}): kernel records are missing or their "
                      "durations are off; read the shares, not the ms")
     lines.extend(_regions(events, kernels))
-    syncs = defaultdict(int)
+    lines.extend(_idle_gaps(events, kernels, steps, top))
+    syncs: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in events:
         name = str(e.get("name", ""))
         if e.get("cat") == "cuda_runtime" and ("Synchronize" in name or "Memcpy" in name):
-            syncs[name] += 1
-    lines.append("\nhost runtime calls that can block: " + (", ".join(f"{k} x{v}" for k, v in sorted(syncs.items())) or "none"))
+            syncs[name][0] += 1
+            syncs[name][1] += e["dur"]
+    lines.append("\nhost runtime calls that can block (count, host time in them): "
+                 + (", ".join(f"{k} x{n} {t / 1e3:.1f} ms" for k, (n, t) in sorted(syncs.items())) or "none"))
     return "\n".join(lines)
+
+
+def _idle_gaps(events: list[dict], kernels: list[dict], steps: list[dict], top: int) -> list[str]:
+    """The GPU's idle time inside the profiled steps, charged to what the host was doing: each gap
+    between kernels goes to the innermost host op, on the thread that launched the kernel ending
+    the gap, that spans the gap's middle."""
+    if not steps:
+        return []
+    busy = []
+    for s, e in sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels):
+        if busy and s <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], e)
+        else:
+            busy.append([s, e])
+    first_at = {}
+    for k in sorted(kernels, key=lambda k: k["ts"]):
+        first_at.setdefault(k["ts"], k)
+    thread_of = {e["args"]["correlation"]: (e.get("pid"), e.get("tid")) for e in events
+                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "python_function"):
+            ops[(e.get("pid"), e.get("tid"))].append(e)
+    charged: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    total = 0.0
+    for step in steps:
+        lo, hi = step["ts"], step["ts"] + step["dur"]
+        edges = [(max(lo, a[1]), min(hi, b[0]), b[0]) for a, b in zip(busy, busy[1:])]
+        for a, b, nxt in edges:
+            if b - a <= 0:
+                continue
+            total += b - a
+            k = first_at.get(nxt)
+            thread = thread_of.get(k.get("args", {}).get("correlation")) if k else None
+            mid = (a + b) / 2
+            around = [e for e in ops.get(thread, []) if e["ts"] <= mid <= e["ts"] + e["dur"]]
+            name = "(no host op on the launching thread)" if not around else \
+                _op_label(min(around, key=lambda e: e["dur"]))[:110]
+            charged[name][0] += b - a
+            charged[name][1] += 1
+    if not charged:
+        return []
+    lines = [f"\nGPU idle inside the profiled steps: {total / 1e3:.1f} ms, by the host op under each gap "
+             "(innermost, on the thread that launched the next kernel):"]
+    for name, (dur, n) in sorted(charged.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {dur / 1e3:8.1f} ms {n:5d}x  {name}")
+    return lines
 
 
 REGION_PREFIX = "titan_draft."

@@ -348,7 +348,37 @@ def test_trace_summary_busy_time_and_categories():
     assert "matmul" in text and "attention" in text and "optimizer" in text
     assert trace_summary.category("triton_tem_fused_flex_attention_backward") == "attention"
     assert trace_summary.category("nvjet_sm90_tst_320x128") == "matmul"
-    assert "cudaStreamSynchronize x1" in text
+    assert "cudaStreamSynchronize x1 0.0 ms" in text
+
+
+def test_trace_summary_charges_gpu_idle_time_to_the_host_op_under_each_gap():
+    """Inside the profiled step, each gap between kernels goes to the innermost host op spanning
+    its middle on the thread that launched the kernel after it; time outside the steps is not
+    counted, and a blocking call's host time is summed."""
+    trace_summary = _trace_summary()
+
+    def ev(name, cat, ts, dur, tid=1, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": args}
+
+    trace = {"traceEvents": [
+        ev("ProfilerStep#3", "user_annotation", 0, 1000),
+        ev("aten::item", "cpu_op", 100, 200),
+        ev("cudaStreamSynchronize", "cuda_runtime", 110, 40),
+        ev("Optimizer.step#AdamW.step", "user_annotation", 400, 300),
+        ev("aten::_foreach_add_", "cpu_op", 450, 200, **{"Input Dims": [[8], [8]]}),
+        ev("cudaLaunchKernel", "cuda_runtime", 290, 5, correlation=2),
+        ev("cudaLaunchKernel", "cuda_runtime", 690, 5, correlation=3),
+        ev("k1", "kernel", 0, 100, tid=7, correlation=1),
+        ev("k2", "kernel", 300, 100, tid=7, correlation=2),
+        ev("k3", "kernel", 700, 300, tid=7, correlation=3),
+        ev("k4", "kernel", 1500, 10, tid=7, correlation=4),  # after the step: its gap is not counted
+    ]}
+    text = trace_summary.summarize(trace, top=5)
+    gaps = text.split("GPU idle inside the profiled steps: ")[1].split("host runtime calls")[0]
+    lines = [" ".join(line.split()) for line in gaps.strip().splitlines()]
+    assert lines[0].startswith("0.5 ms")
+    assert lines[1:] == ["0.3 ms 1x aten::_foreach_add_ [[8], [8]]", "0.2 ms 1x aten::item"]
+    assert "cudaStreamSynchronize x1 0.0 ms" in text
 
 
 def test_trace_summary_charges_kernels_to_the_innermost_launching_op():
