@@ -420,6 +420,10 @@ def test_trace_summary_charges_kernels_to_the_innermost_launching_op():
     slow = trace_summary.summarize(trace, top=10, peak_tflops=1e-5)  # 1024 FLOP / 30 us = 3.4e-5
     assert "WARNING: 1 GEMM op(s) imply more than the peak" in slow and "aten::mm [[4, 8], [8, 16]]" in slow
     assert "WARNING" not in trace_summary.summarize(trace, top=10, peak_tflops=1e-4)
+    # a float8 GEMM is held to twice the peak: the same rate warns only below half of it
+    trace["traceEvents"][1]["name"] = "aten::_scaled_mm"
+    assert "WARNING" not in trace_summary.summarize(trace, top=10, peak_tflops=2e-5)
+    assert "WARNING: 1 GEMM" in trace_summary.summarize(trace, top=10, peak_tflops=1.6e-5)
 
 
 def test_trace_summary_named_regions():
