@@ -12,7 +12,7 @@ import torch
 
 from models.common.block_diffusion import sample_anchors
 from models.dspark import DSparkDraft, DSparkProposer, dspark_flavors
-from models.dspark.loss import markov_distill, teacher_spans
+from models.dspark.loss import markov_distill, start_teacher_spans, teacher_spans
 from models.dspark.objective import build_slot_targets
 from titan_draft.protocols import TargetFeatures
 
@@ -279,9 +279,9 @@ def test_teacher_read_by_position_equals_one_teacher_row_a_row():
               torch.randn(V, R, generator=g, dtype=torch.float64)]
     live = weight > 0
 
-    def run(chunk, by_position):
+    def run(chunk, by_position, spans=None):
         ins = [t.clone().requires_grad_() for t in leaves]
-        kw = dict(teacher_index=idx) if by_position else {}
+        kw = dict(teacher_index=idx, spans=spans) if by_position else {}
         out = markov_distill(*ins, lm, teacher if by_position else teacher[idx], labels, weight, ce_weight=0.3,
                              l1_weight=0.7, chunk_rows=chunk, **kw)
         (1.5 * out.loss_sum).backward()
@@ -303,6 +303,14 @@ def test_teacher_read_by_position_equals_one_teacher_row_a_row():
         assert torch.allclose(got.l1[live], want.l1[live], rtol=1e-12)
         for a, w in zip(got_g, want_g):
             assert torch.allclose(a, w, rtol=1e-12, atol=1e-14)
+        # spans started ahead (the model starts them before its layers) are the same spans, and
+        # they are the ones used: spans that name only position 0 give other losses
+        started = start_teacher_spans(idx, weight, chunk)
+        assert started() == spans
+        early, early_g = run(chunk, True, started)
+        assert torch.equal(early.ce, got.ce) and all(torch.equal(a, b) for a, b in zip(early_g, got_g))
+        wrong, _ = run(chunk, True, lambda: [(0, 0)] * len(spans))
+        assert not torch.allclose(wrong.l1[live], got.l1[live])
     with pytest.raises(ValueError, match="teacher_index"):
         markov_distill(*leaves, lm, teacher, labels, weight, ce_weight=0.3, l1_weight=0.7,
                        teacher_index=idx.to(torch.int32))

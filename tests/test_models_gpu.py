@@ -169,3 +169,19 @@ def test_compiled_target_capture_matches_eager_in_bf16():
     torch.testing.assert_close(aux.float(), want_aux.float(), rtol=0.05, atol=0.05)
     torch.testing.assert_close(last.float(), want_last.float(), rtol=0.05, atol=0.05)
     assert step.logits.isfinite().all()
+
+
+def test_dspark_teacher_spans_started_ahead_match_the_synced_ones():
+    """The spans DSpark starts before its layers (pinned copy behind an event) are the ones the
+    synced path reads, also when the device is still busy with earlier work."""
+    from models.dspark.loss import start_teacher_spans, teacher_spans
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    idx = torch.randint(0, 4096, (3584,), device="cuda", generator=g).sort().values
+    weight = (torch.rand(3584, device="cuda", generator=g) > 0.3).float()
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(8):  # queue work ahead of the spans
+        busy = busy @ busy / 64
+    started = start_teacher_spans(idx, weight, 512)
+    assert started() == teacher_spans(idx, weight, 512)
+    assert len(started()) == 7

@@ -21,6 +21,7 @@ per slot row: at DSpark's Qwen3-8B shape 4096 instead of 7168 teacher rows a ste
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,9 +83,7 @@ def _chunk_stats(z_head, z_markov, z_teacher, labels, weight, ce_weight: float, 
 _compiled_chunk_stats = torch.compile(_chunk_stats, fullgraph=True, dynamic=False)
 
 
-def teacher_spans(teacher_index: torch.Tensor, weight: torch.Tensor, chunk_rows: int) -> list[tuple[int, int]]:
-    """Per chunk of ``chunk_rows`` rows, ``(lo, hi)``: the positions its live rows (weight > 0)
-    read are ``lo..hi``; ``(0, 0)`` for a chunk with none. One device sync for all chunks."""
+def _spans_tensor(teacher_index: torch.Tensor, weight: torch.Tensor, chunk_rows: int) -> torch.Tensor:
     n = teacher_index.shape[0]
     pad = -n % chunk_rows
     live = F.pad(weight > 0, (0, pad)).view(-1, chunk_rows)
@@ -92,8 +91,34 @@ def teacher_spans(teacher_index: torch.Tensor, weight: torch.Tensor, chunk_rows:
     lo = torch.where(live, idx, idx.new_full((), torch.iinfo(idx.dtype).max)).amin(dim=1)
     hi = torch.where(live, idx, idx.new_full((), -1)).amax(dim=1)
     none = ~live.any(dim=1)
-    spans = torch.stack([lo.masked_fill(none, 0), hi.masked_fill(none, 0)], dim=1)
-    return [(int(a), int(b)) for a, b in spans.tolist()]
+    return torch.stack([lo.masked_fill(none, 0), hi.masked_fill(none, 0)], dim=1)
+
+
+def teacher_spans(teacher_index: torch.Tensor, weight: torch.Tensor, chunk_rows: int) -> list[tuple[int, int]]:
+    """Per chunk of ``chunk_rows`` rows, ``(lo, hi)``: the positions its live rows (weight > 0)
+    read are ``lo..hi``; ``(0, 0)`` for a chunk with none. One device sync for all chunks."""
+    return [(int(a), int(b)) for a, b in _spans_tensor(teacher_index, weight, chunk_rows).tolist()]
+
+
+def start_teacher_spans(teacher_index: torch.Tensor, weight: torch.Tensor,
+                        chunk_rows: int) -> Callable[[], list[tuple[int, int]]]:
+    """:func:`teacher_spans` started now and read later: on CUDA the spans go to pinned host
+    memory behind an event, so that a caller that starts them before the draft's layers finds
+    them there after, instead of stalling the host until the device has run the layers."""
+    spans = _spans_tensor(teacher_index, weight, chunk_rows)
+    if spans.device.type != "cuda":
+        ready = [(int(a), int(b)) for a, b in spans.tolist()]
+        return lambda: ready
+    host = torch.empty(spans.shape, dtype=spans.dtype, pin_memory=True)
+    host.copy_(spans, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def get() -> list[tuple[int, int]]:
+        copied.synchronize()
+        return [(int(a), int(b)) for a, b in host.tolist()]
+
+    return get
 
 
 def _teacher_logits(teacher, teacher_index, lm_head, s: int, e: int, span):
@@ -112,7 +137,7 @@ def _teacher_logits(teacher, teacher_index, lm_head, s: int, e: int, span):
 class _MarkovDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, feats, w2, lm_head, teacher, teacher_index, labels, weight, ce_weight, l1_weight,
-                chunk_rows):
+                chunk_rows, spans):
         n = hidden.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)
         need = any(ctx.needs_input_grad[:3])
@@ -127,7 +152,10 @@ class _MarkovDistill(torch.autograd.Function):
         # the chunk's gradient comes back in the tables' dtype when both matmuls read it (bf16 on
         # GPU): it is rounded to that for them anyway
         grad_dtype = lm_head.dtype if w2.dtype == lm_head.dtype else acc
-        spans = teacher_spans(teacher_index, w, chunk_rows) if teacher_index is not None else None
+        if teacher_index is None:
+            spans = None
+        else:
+            spans = spans() if spans is not None else teacher_spans(teacher_index, w, chunk_rows)
         for s in range(0, n, chunk_rows):
             e = min(s + chunk_rows, n)
             # matmuls in the tables' dtype (bf16 on GPU), statistics in >= fp32
@@ -156,7 +184,7 @@ class _MarkovDistill(torch.autograd.Function):
         dh, df, dw = ctx.dtypes
         g = g.to(grad_h.dtype)
         return ((g * grad_h).to(dh), (g * grad_f).to(df), (g * grad_w2).to(dw),
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 def markov_distill(
@@ -172,6 +200,7 @@ def markov_distill(
     l1_weight: float,
     chunk_rows: int = 2048,
     teacher_index: torch.Tensor | None = None,
+    spans: Callable[[], list[tuple[int, int]]] | None = None,
 ) -> DistillOutput:
     """The weighted CE + L1 of DSpark's slot distributions (module docstring).
 
@@ -183,6 +212,8 @@ def markov_distill(
         teacher: ``[N, H]`` the target's final-norm hidden at each row's position (no gradient);
             with ``teacher_index``, ``[P, H]`` one row per position.
         teacher_index: ``[N]`` int64, row ``i`` reads ``teacher[teacher_index[i]]`` (or None).
+        spans: with ``teacher_index``, :func:`start_teacher_spans` of it, ``weight`` and
+            ``chunk_rows``, started earlier (None: computed here, a device sync).
         labels: ``[N]`` int64 data tokens, all in ``[0, V)`` (rows without one get weight 0).
         weight: ``[N]`` per-row loss weights (no gradient).
     """
@@ -201,5 +232,5 @@ def markov_distill(
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     loss_sum, ce, l1, argmax = _MarkovDistill.apply(hidden, feats, w2, lm_head, teacher, teacher_index, labels, weight,
-                                                     float(ce_weight), float(l1_weight), int(chunk_rows))
+                                                     float(ce_weight), float(l1_weight), int(chunk_rows), spans)
     return DistillOutput(loss_sum=loss_sum, ce=ce, l1=l1, argmax=argmax)

@@ -14,7 +14,7 @@ from models.common.block_diffusion import BlockDecoderLayer, sample_anchors
 from models.common.block_draft import BlockDiffusionDraft
 from models.dspark.args import DSparkArgs
 from models.dspark.heads import ConfidenceHead, MarkovHead
-from models.dspark.objective import dspark_objective
+from models.dspark.objective import dspark_objective, early_slot_targets
 from titan_draft.protocols.features import DraftOutput, TargetFeatures
 
 
@@ -45,6 +45,8 @@ class DSparkDraft(BlockDiffusionDraft):
         """Forward for given ``anchors [B, N]`` / ``keep [B, N]`` (as from ``sample_anchors``)."""
         if features.last_hidden is None:
             raise ValueError("DSpark needs the target's final-norm hidden states (needs_last_hidden)")
+        early = early_slot_targets(self, features.input_ids, features.loss_mask, features.valid_lengths,
+                                   anchors, keep)
         hidden, blocks = self.block_hidden(features, anchors, keep)
         return dspark_objective(self, hidden, blocks, features.last_hidden, features.input_ids,
-                                features.loss_mask, features.valid_lengths)
+                                features.loss_mask, features.valid_lengths, early)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from models.common.block_diffusion import DraftBlocks
-from models.dspark.loss import markov_distill
+from models.dspark.loss import markov_distill, start_teacher_spans
 from titan_draft.protocols.features import DraftOutput
 
 
@@ -60,31 +60,50 @@ def build_slot_targets(input_ids, loss_mask, valid_lengths, anchors, keep, block
                        mask=mask, weight=mask * decay)
 
 
+def teacher_rows(teacher_pos: torch.Tensor, seq: int) -> torch.Tensor:
+    """``[B * N * b]`` int64: each slot's row in the target's hidden states flattened to
+    ``[B * seq, H]`` (one row per position; each slot row reads its own, models/dspark/loss.py)."""
+    bsz = teacher_pos.shape[0]
+    return (teacher_pos + seq * torch.arange(bsz, device=teacher_pos.device)[:, None, None]).reshape(-1)
+
+
+def early_slot_targets(draft, input_ids, loss_mask, valid_lengths, anchors, keep):
+    """The slot targets (float32) and the loss chunks' teacher spans, started before the draft's
+    layers run: the spans' copy to the host then waits for nothing but these few ops."""
+    a = draft.args
+    t = build_slot_targets(input_ids, loss_mask, valid_lengths, anchors, keep, a.block_size, a.loss_gamma)
+    spans = start_teacher_spans(teacher_rows(t.teacher_pos, input_ids.shape[1]), t.weight.reshape(-1),
+                                a.ce_chunk_rows)
+    return t, spans
+
+
 def dspark_objective(draft, hidden: torch.Tensor, blocks: DraftBlocks, last_hidden: torch.Tensor,
-                     input_ids, loss_mask, valid_lengths) -> DraftOutput:
+                     input_ids, loss_mask, valid_lengths, early=None) -> DraftOutput:
     """Loss sum, denominator and metrics of one micro-batch (module docstring).
 
     ``hidden [B, N * b, H]`` are the backbone's final-norm block rows; ``draft`` supplies
-    ``args``, ``markov_head``, ``confidence_head`` (or None) and ``target_lm_head``.
+    ``args``, ``markov_head``, ``confidence_head`` (or None) and ``target_lm_head``. ``early``:
+    :func:`early_slot_targets` of the same anchors (None: computed here).
     """
     a = draft.args
     bsz, n = blocks.anchors.shape
     b = a.block_size
     dim = hidden.shape[-1]
     acc = torch.promote_types(hidden.dtype, torch.float32)
-    t = build_slot_targets(input_ids, loss_mask, valid_lengths, blocks.anchors, blocks.keep, b, a.loss_gamma, acc)
+    t, spans = early if early is not None else (None, None)
+    if t is None or t.weight.dtype != acc:  # float64 references: the targets in their dtype
+        t = build_slot_targets(input_ids, loss_mask, valid_lengths, blocks.anchors, blocks.keep, b, a.loss_gamma, acc)
     rows = hidden.reshape(-1, dim)
     feats, prev_emb = draft.markov_head.block_features(hidden.view(bsz * n, b, dim), t.prev.view(bsz * n, b))
-    # one target row per position; each slot row reads its own (models/dspark/loss.py)
     seq = last_hidden.shape[1]
     teacher = last_hidden.detach().reshape(bsz * seq, dim)
-    teacher_index = (t.teacher_pos + seq * torch.arange(bsz, device=hidden.device)[:, None, None]).reshape(-1)
     w = t.weight.reshape(-1)
     m = t.mask.reshape(-1)
     labels = t.labels.reshape(-1)
     out = markov_distill(rows, feats.reshape(bsz * n * b, -1), draft.markov_head.markov_w2.weight,
                          draft.target_lm_head, teacher, labels, w, ce_weight=a.ce_loss_weight,
-                         l1_weight=a.l1_loss_weight, chunk_rows=a.ce_chunk_rows, teacher_index=teacher_index)
+                         l1_weight=a.l1_loss_weight, chunk_rows=a.ce_chunk_rows,
+                         teacher_index=teacher_rows(t.teacher_pos, seq), spans=spans)
     loss_sum = out.loss_sum
     # the probability that the target accepts a draft sampled from p_d: sum_v min(p_d, p_t)
     accept = (1.0 - 0.5 * out.l1).clamp(0.0, 1.0)
