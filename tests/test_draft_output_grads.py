@@ -8,7 +8,6 @@ first test checks the pytree contract directly, not through FSDP."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -21,7 +20,7 @@ from titan_draft.protocols import DraftOutput, TargetFeatures
 from titan_draft.protocols.model_spec import register_model_spec
 from titan_draft.train import Trainer
 
-from tests.test_fourth_draft import REPO, SPEC, ProbeDraft
+from tests.test_fourth_draft import SPEC, ProbeDraft, probe_argv
 
 
 def test_tree_flatten_reaches_the_loss_and_metrics_of_a_draft_output():
@@ -47,11 +46,7 @@ class _DetachedDraft(ProbeDraft):
 
 def test_a_step_without_any_gradient_stops_with_one_line(tmp_path, random_target_dir, chat_jsonl):
     register_model_spec(replace(SPEC, name="detached_draft_test", model_cls=_DetachedDraft))
-    argv = ["--job.config_file", os.path.join(REPO, "train_configs", "debug_random.toml"),
-            "--job.dump_folder", str(tmp_path), "--target.path", random_target_dir, "--data.source", chat_jsonl,
-            "--model.name", "detached_draft_test", "--model.flavor", "tiny", "--training.steps", "2",
-            "--data.max_length", "64", "--metrics.enable_tensorboard", "false",
-            "--profiling.enable_profiling", "false", "--checkpoint.enable", "false"]
+    argv = probe_argv(str(tmp_path), random_target_dir, chat_jsonl, "detached_draft_test", "--checkpoint.enable", "false")
     trainer = Trainer(ConfigManager().parse_args(argv))
     try:
         with pytest.raises(RuntimeError, match="step 1: no trainable parameter of the draft received a gradient"):

@@ -88,13 +88,18 @@ SPEC = ModelSpec(
 )
 
 
+def probe_argv(dump: str, target: str, data: str, name: str, *extra: str) -> list[str]:
+    """Two steps of a registered test draft (flavor ``tiny``) on the random target."""
+    return ["--job.config_file", os.path.join(REPO, "train_configs", "debug_random.toml"),
+            "--job.dump_folder", dump, "--target.path", target, "--data.source", data,
+            "--model.name", name, "--model.flavor", "tiny", "--training.steps", "2",
+            "--data.max_length", "64", "--metrics.enable_tensorboard", "false",
+            "--profiling.enable_profiling", "false", *extra]
+
+
 def test_a_draft_from_a_test_folder_trains_and_exports(tmp_path, random_target_dir, chat_jsonl):
     register_model_spec(SPEC)
-    argv = ["--job.config_file", os.path.join(REPO, "train_configs", "debug_random.toml"),
-            "--job.dump_folder", str(tmp_path), "--target.path", random_target_dir, "--data.source", chat_jsonl,
-            "--model.name", "probe_draft_test", "--model.flavor", "tiny", "--training.steps", "2",
-            "--data.max_length", "64", "--metrics.enable_tensorboard", "false",
-            "--profiling.enable_profiling", "false", "--checkpoint.interval", "2"]
+    argv = probe_argv(str(tmp_path), random_target_dir, chat_jsonl, "probe_draft_test", "--checkpoint.interval", "2")
     trainer = Trainer(ConfigManager().parse_args(argv))
     try:
         losses = trainer.train()
