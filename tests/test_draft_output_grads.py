@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from titan_draft.config import ConfigManager
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.protocols import DraftOutput, TargetFeatures
-from titan_draft.protocols.model_spec import register_model_spec
+from titan_draft.protocols import model_spec
 from titan_draft.train import Trainer
 
 from tests.test_fourth_draft import SPEC, ProbeDraft, probe_argv
@@ -44,8 +44,10 @@ class _DetachedDraft(ProbeDraft):
         return replace(out, loss_sum=loss)
 
 
-def test_a_step_without_any_gradient_stops_with_one_line(tmp_path, random_target_dir, chat_jsonl):
-    register_model_spec(replace(SPEC, name="detached_draft_test", model_cls=_DetachedDraft))
+def test_a_step_without_any_gradient_stops_with_one_line(tmp_path, random_target_dir, chat_jsonl, monkeypatch):
+    # registered for this test only: other tests list the registered drafts
+    monkeypatch.setitem(model_spec._REGISTRY, "detached_draft_test",
+                        replace(SPEC, name="detached_draft_test", model_cls=_DetachedDraft))
     argv = probe_argv(str(tmp_path), random_target_dir, chat_jsonl, "detached_draft_test", "--checkpoint.enable", "false")
     trainer = Trainer(ConfigManager().parse_args(argv))
     try:
