@@ -143,12 +143,7 @@ def _idle_gaps(events: list[dict], kernels: list[dict], steps: list[dict], top: 
     the gap, that spans the gap's middle."""
     if not steps:
         return []
-    busy = []
-    for s, e in sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels):
-        if busy and s <= busy[-1][1]:
-            busy[-1][1] = max(busy[-1][1], e)
-        else:
-            busy.append([s, e])
+    busy = _merged([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
     first_at = {}
     for k in sorted(kernels, key=lambda k: k["ts"]):
         first_at.setdefault(k["ts"], k)
@@ -242,18 +237,19 @@ def _op_label(op: dict) -> str:
     return f"{op['name']} {shapes}" if shapes else op["name"]
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, cur_start, cur_end = 0.0, None, None
+def _merged(intervals: list[tuple[float, float]]) -> list[list[float]]:
+    """The intervals' union as disjoint ``[start, end]`` pieces, in order."""
+    out: list[list[float]] = []
     for s, e in sorted(intervals):
-        if cur_end is None or s > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = s, e
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
         else:
-            cur_end = max(cur_end, e)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
+            out.append([s, e])
+    return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in _merged(intervals))
 
 
 def main(argv: list[str] | None = None) -> None:
