@@ -211,8 +211,8 @@ class Trainer:
         self.model.set_train_progress(step, self.total_steps)
         self.optimizer.zero_grad(set_to_none=True)
         sums = StepSums(self.device)
+        pin = self.device.type == "cuda"  # from pageable memory the copy waits for the stream
         for micro, batch in enumerate(micro_batches):
-            pin = self.device.type == "cuda"  # from pageable memory the copy waits for the stream
             batch = {k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in batch.items()}
             # named regions: a profile's trace then says what each phase costs the host and the GPU
             with record_function("titan_draft.features"):
@@ -229,10 +229,12 @@ class Trainer:
         global_denom = flat[1]
         # FSDP averaged the gradients over DP ranks; turn that into sum / global denominator.
         scale = (self.dp_world / global_denom.clamp(min=1e-12)).float()
+        reached = False
         for p in self.params:
             if p.grad is not None:
                 p.grad.mul_(scale)
-        if not any(p.grad is not None for p in self.params):
+                reached = True
+        if not reached:
             raise RuntimeError(f"step {step}: no trainable parameter of the draft received a gradient "
                                "(its loss does not reach them, or FSDP did not reduce them)")
         max_norm = self.cfg.training.max_norm

@@ -97,7 +97,11 @@ def _spans_tensor(teacher_index: torch.Tensor, weight: torch.Tensor, chunk_rows:
 def teacher_spans(teacher_index: torch.Tensor, weight: torch.Tensor, chunk_rows: int) -> list[tuple[int, int]]:
     """Per chunk of ``chunk_rows`` rows, ``(lo, hi)``: the positions its live rows (weight > 0)
     read are ``lo..hi``; ``(0, 0)`` for a chunk with none. One device sync for all chunks."""
-    return [(int(a), int(b)) for a, b in _spans_tensor(teacher_index, weight, chunk_rows).tolist()]
+    return start_teacher_spans(teacher_index, weight, chunk_rows)()
+
+
+def _pairs(spans: torch.Tensor) -> list[tuple[int, int]]:
+    return [(int(a), int(b)) for a, b in spans.tolist()]
 
 
 def start_teacher_spans(teacher_index: torch.Tensor, weight: torch.Tensor,
@@ -107,7 +111,7 @@ def start_teacher_spans(teacher_index: torch.Tensor, weight: torch.Tensor,
     them there after, instead of stalling the host until the device has run the layers."""
     spans = _spans_tensor(teacher_index, weight, chunk_rows)
     if spans.device.type != "cuda":
-        ready = [(int(a), int(b)) for a, b in spans.tolist()]
+        ready = _pairs(spans)
         return lambda: ready
     host = torch.empty(spans.shape, dtype=spans.dtype, pin_memory=True)
     host.copy_(spans, non_blocking=True)
@@ -116,7 +120,7 @@ def start_teacher_spans(teacher_index: torch.Tensor, weight: torch.Tensor,
 
     def get() -> list[tuple[int, int]]:
         copied.synchronize()
-        return [(int(a), int(b)) for a, b in host.tolist()]
+        return _pairs(host)
 
     return get
 
