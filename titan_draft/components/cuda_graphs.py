@@ -1,4 +1,4 @@
-"""Decode steps of a target replayed as CUDA graphs.
+"""Decode steps of a target, and its training-time capture, replayed as CUDA graphs.
 
 At batch 1 a small target is bound by the host: SmolLM2's 30 layers launch ~750 kernels per
 token, ~25 ms of Python and launches against ~1 ms of GPU work. :class:`GraphedDecoder` wraps a
@@ -14,11 +14,14 @@ more rows or slots than it has.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger(__name__)
 
 # Longer inputs (prefills) run eagerly: each new length would be a new graph.
 MAX_GRAPH_TOKENS = 32
@@ -89,6 +92,55 @@ class GraphedDecoder:
             lambda: self.target(inputs, layer_ids, need_last_hidden, cache=cache, logits=logits),
             pool=self._pool, after_each=lambda: cache.set_length(start))
         return _Captured(graph, inputs, out, input_ids.shape[1])
+
+
+class GraphedCapture:
+    """``target.capture`` of whole training micro-batches replayed as one CUDA graph per input
+    shape; otherwise the target's own ``capture``.
+
+    Online training runs the frozen target on every micro-batch. A small target leaves the GPU
+    waiting on the host: SmolLM2's capture of 16 x 1024 tokens is ~5 ms of kernels behind ~14 ms
+    of Python and launches a step on an H200 (profile of 2026-12-02, docs/performance.md). With
+    static shapes every batch has one shape, so it is recorded once and replayed: one launch.
+    The outputs are copied out of the graph's buffers, so callers may keep them past the next
+    replay, as with eager outputs. At most ``max_shapes`` shapes get a graph (each holds its
+    own memory); further shapes run eagerly, with a warning.
+    """
+
+    def __init__(self, target, max_shapes: int = 4):
+        self.target = target
+        self.max_shapes = max_shapes
+        self._graphs: dict[tuple, _Captured] = {}
+        self._warned = False
+
+    def capture(self, input_ids: torch.Tensor, layer_ids: list[int], need_last_hidden: bool = True):
+        key = (tuple(input_ids.shape), tuple(layer_ids), need_last_hidden)
+        captured = self._graphs.get(key)
+        if captured is None:
+            if len(self._graphs) >= self.max_shapes:
+                if not self._warned:
+                    logger.warning("target capture: more than %d batch shapes (now %s); the new ones run eagerly "
+                                   "(training.static_shapes keeps one shape)", self.max_shapes, key[0])
+                    self._warned = True
+                return self.target.capture(input_ids, layer_ids, need_last_hidden)
+            inputs = input_ids.clone()
+            graph, out = capture_graph(lambda: self.target.capture(inputs, layer_ids, need_last_hidden))
+            captured = self._graphs[key] = _Captured(graph, inputs, out, 0)
+        captured.inputs.copy_(input_ids)
+        captured.graph.replay()
+        aux, last = captured.out
+        return aux.clone(), _clone(last)
+
+
+def maybe_graphed_capture(target, device: torch.device, *, enable: bool, static_shapes: bool):
+    """``(target or GraphedCapture(target), line)``: the capture the training step calls, and one
+    log line saying which it is and, when eager, why."""
+    why = ("target.cuda_graph is false" if not enable
+           else "training.static_shapes is false (a graph per batch length)" if not static_shapes
+           else can_graph(target, device))
+    if why is not None:
+        return target, f"target capture: eager ({why})"
+    return GraphedCapture(target), "target capture: one CUDA graph per batch shape (target.cuda_graph)"
 
 
 def capture_graph(fn, *, pool=None, after_each=None):

@@ -51,6 +51,11 @@ class Target:
     capture_layers: list[int] = field(default_factory=list)
     """Capture layer ids (SGLang convention: id i = output of decoder layer i). Empty: the
     draft's default rule for this target."""
+    cuda_graph: bool = True
+    """Online training on one GPU with training.static_shapes: record the target's feature
+    capture once per batch shape as a CUDA graph and replay it, one launch instead of a small
+    target's ~1000 kernels (the host, not the GPU, limits SmolLM2's step). It runs eagerly, and
+    the log says why, on CPU, with dynamic shapes or with a target sharded over several ranks."""
     tokenizer: str = ""
     """The target's tokenizer: a folder with tokenizer.json (or a .tiktoken ranks file), such a
     file, or 'qwen3' (the packaged Qwen BPE). Empty: the tokenizer files in `target.path`, and
