@@ -127,13 +127,24 @@ def summarize(trace: dict, top: int, peak_tflops: float = 0.0) -> str:
     lines.extend(_regions(events, kernels))
     lines.extend(_idle_gaps(events, kernels, steps, top))
     syncs: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_caller: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in events:
         name = str(e.get("name", ""))
         if e.get("cat") == "cuda_runtime" and ("Synchronize" in name or "Memcpy" in name):
             syncs[name][0] += 1
             syncs[name][1] += e["dur"]
+            op = launched.get(e.get("args", {}).get("correlation"))
+            caller = by_caller[f"{name} in {'(no host op)' if op is None else _op_label(op)}"]
+            caller[0] += 1
+            caller[1] += e["dur"]
     lines.append("\nhost runtime calls that can block (count, host time in them): "
                  + (", ".join(f"{k} x{n} {t / 1e3:.1f} ms" for k, (n, t) in sorted(syncs.items())) or "none"))
+    # a copy from pageable memory or to the host waits for the stream: the op that issued it is
+    # where the host stood still
+    if by_caller:
+        lines.append(f"  by the innermost host op that issued them (top {top} by host time):")
+        for key, (n, t) in sorted(by_caller.items(), key=lambda kv: -kv[1][1])[:top]:
+            lines.append(f"  {t / 1e3:8.1f} ms {n:5d}x  {key[:150]}")
     return "\n".join(lines)
 
 

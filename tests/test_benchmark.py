@@ -426,6 +426,35 @@ def test_trace_summary_charges_kernels_to_the_innermost_launching_op():
     assert "WARNING: 1 GEMM" in trace_summary.summarize(trace, top=10, peak_tflops=1.6e-5)
 
 
+def test_trace_summary_names_the_ops_that_issue_blocking_calls():
+    """Blocking runtime calls (copies, synchronizes) are totalled by name and then charged to the
+    innermost host op around them, ordered by the host time spent in them."""
+    trace_summary = _trace_summary()
+
+    def ev(name, cat, ts, dur, tid=1, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": args}
+
+    trace = {"traceEvents": [
+        ev("aten::item", "cpu_op", 0, 900),
+        ev("aten::_local_scalar_dense", "cpu_op", 5, 890),
+        ev("cudaMemcpyAsync", "cuda_runtime", 10, 800, correlation=1),  # waited 0.8 ms in .item()
+        ev("aten::copy_", "cpu_op", 1000, 300, **{"Input Dims": [[2, 7], [2, 7]]}),
+        ev("cudaMemcpyAsync", "cuda_runtime", 1010, 100, correlation=2),
+        ev("aten::copy_", "cpu_op", 1400, 300, **{"Input Dims": [[2, 7], [2, 7]]}),
+        ev("cudaMemcpyAsync", "cuda_runtime", 1410, 150, correlation=3),
+        ev("cudaStreamSynchronize", "cuda_runtime", 2000, 50, correlation=4),  # outside every op
+        ev("cudaLaunchKernel", "cuda_runtime", 2100, 2, correlation=5),  # not a blocking call
+        ev("k", "kernel", 2200, 10, tid=7, correlation=5),
+    ]}
+    text = trace_summary.summarize(trace, top=5).split("host runtime calls that can block")[1]
+    assert "cudaMemcpyAsync x3 1.1 ms" in text and "cudaStreamSynchronize x1 0.1 ms" in text
+    callers = [line.strip() for line in text.split("issued them")[1].splitlines()[1:]]
+    assert callers[0].startswith("0.8 ms     1x  cudaMemcpyAsync in aten::_local_scalar_dense")
+    assert callers[1].startswith("0.2 ms     2x  cudaMemcpyAsync in aten::copy_ [[2, 7], [2, 7]]")
+    assert callers[2].startswith("0.1 ms     1x  cudaStreamSynchronize in (no host op)")
+    assert len(callers) == 3  # the kernel launch is not a blocking call
+
+
 def test_trace_summary_named_regions():
     """Per region the trainer names: host time, GPU span, and only the kernel time inside the span
     (overlaps counted once; a kernel straddling the span's end counts up to it)."""
