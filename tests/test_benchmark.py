@@ -351,27 +351,29 @@ def test_trace_summary_busy_time_and_categories():
     assert "cudaStreamSynchronize x1 0.0 ms" in text
 
 
+def _event(name, cat, ts, dur, tid=1, **args):
+    """One complete ("X") event of a torch profiler trace, on thread ``tid`` of process 0."""
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": args}
+
+
 def test_trace_summary_charges_gpu_idle_time_to_the_host_op_under_each_gap():
     """Inside the profiled step, each gap between kernels goes to the innermost host op spanning
     its middle on the thread that launched the kernel after it; time outside the steps is not
     counted, and a blocking call's host time is summed."""
     trace_summary = _trace_summary()
 
-    def ev(name, cat, ts, dur, tid=1, **args):
-        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": args}
-
     trace = {"traceEvents": [
-        ev("ProfilerStep#3", "user_annotation", 0, 1000),
-        ev("aten::item", "cpu_op", 100, 200),
-        ev("cudaStreamSynchronize", "cuda_runtime", 110, 40),
-        ev("Optimizer.step#AdamW.step", "user_annotation", 400, 300),
-        ev("aten::_foreach_add_", "cpu_op", 450, 200, **{"Input Dims": [[8], [8]]}),
-        ev("cudaLaunchKernel", "cuda_runtime", 290, 5, correlation=2),
-        ev("cudaLaunchKernel", "cuda_runtime", 690, 5, correlation=3),
-        ev("k1", "kernel", 0, 100, tid=7, correlation=1),
-        ev("k2", "kernel", 300, 100, tid=7, correlation=2),
-        ev("k3", "kernel", 700, 300, tid=7, correlation=3),
-        ev("k4", "kernel", 1500, 10, tid=7, correlation=4),  # after the step: its gap is not counted
+        _event("ProfilerStep#3", "user_annotation", 0, 1000),
+        _event("aten::item", "cpu_op", 100, 200),
+        _event("cudaStreamSynchronize", "cuda_runtime", 110, 40),
+        _event("Optimizer.step#AdamW.step", "user_annotation", 400, 300),
+        _event("aten::_foreach_add_", "cpu_op", 450, 200, **{"Input Dims": [[8], [8]]}),
+        _event("cudaLaunchKernel", "cuda_runtime", 290, 5, correlation=2),
+        _event("cudaLaunchKernel", "cuda_runtime", 690, 5, correlation=3),
+        _event("k1", "kernel", 0, 100, tid=7, correlation=1),
+        _event("k2", "kernel", 300, 100, tid=7, correlation=2),
+        _event("k3", "kernel", 700, 300, tid=7, correlation=3),
+        _event("k4", "kernel", 1500, 10, tid=7, correlation=4),  # after the step: its gap is not counted
     ]}
     text = trace_summary.summarize(trace, top=5)
     gaps = text.split("GPU idle inside the profiled steps: ")[1].split("host runtime calls")[0]
@@ -387,21 +389,18 @@ def test_trace_summary_charges_kernels_to_the_innermost_launching_op():
     op is counted apart."""
     trace_summary = _trace_summary()
 
-    def ev(name, cat, ts, dur, tid=1, **args):
-        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": args}
-
     trace = {"traceEvents": [
-        ev("aten::linear", "cpu_op", 0, 100, **{"Input Dims": [[4, 8], [16, 8], []]}),
-        ev("aten::mm", "cpu_op", 10, 50, **{"Input Dims": [[4, 8], [8, 16]]}),
-        ev("cudaLaunchKernel", "cuda_runtime", 20, 2, correlation=1),  # inside aten::mm
-        ev("cudaLaunchKernel", "cuda_runtime", 80, 2, correlation=2),  # after mm, inside linear
-        ev("aten::_log_softmax_backward_data", "cpu_op", 0, 40, tid=2, **{"Input Dims": [[4, 16], [4, 16]]}),
-        ev("cudaLaunchKernel", "cuda_runtime", 5, 2, tid=2, correlation=3),  # the backward thread
-        ev("cudaLaunchKernel", "cuda_runtime", 500, 2, correlation=4),  # no op around it
-        ev("nvjet_gemm", "kernel", 100, 30, tid=7, correlation=1),
-        ev("add_kernel", "kernel", 130, 5, tid=7, correlation=2),
-        ev("softmax_bwd", "kernel", 140, 20, tid=7, correlation=3),
-        ev("memset", "kernel", 600, 1, tid=7, correlation=4),
+        _event("aten::linear", "cpu_op", 0, 100, **{"Input Dims": [[4, 8], [16, 8], []]}),
+        _event("aten::mm", "cpu_op", 10, 50, **{"Input Dims": [[4, 8], [8, 16]]}),
+        _event("cudaLaunchKernel", "cuda_runtime", 20, 2, correlation=1),  # inside aten::mm
+        _event("cudaLaunchKernel", "cuda_runtime", 80, 2, correlation=2),  # after mm, inside linear
+        _event("aten::_log_softmax_backward_data", "cpu_op", 0, 40, tid=2, **{"Input Dims": [[4, 16], [4, 16]]}),
+        _event("cudaLaunchKernel", "cuda_runtime", 5, 2, tid=2, correlation=3),  # the backward thread
+        _event("cudaLaunchKernel", "cuda_runtime", 500, 2, correlation=4),  # no op around it
+        _event("nvjet_gemm", "kernel", 100, 30, tid=7, correlation=1),
+        _event("add_kernel", "kernel", 130, 5, tid=7, correlation=2),
+        _event("softmax_bwd", "kernel", 140, 20, tid=7, correlation=3),
+        _event("memset", "kernel", 600, 1, tid=7, correlation=4),
     ]}
     text = trace_summary.summarize(trace, top=10)
     ops = text.split("launching host ops")[1].split("host runtime calls")[0]
@@ -431,20 +430,17 @@ def test_trace_summary_names_the_ops_that_issue_blocking_calls():
     innermost host op around them, ordered by the host time spent in them."""
     trace_summary = _trace_summary()
 
-    def ev(name, cat, ts, dur, tid=1, **args):
-        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": args}
-
     trace = {"traceEvents": [
-        ev("aten::item", "cpu_op", 0, 900),
-        ev("aten::_local_scalar_dense", "cpu_op", 5, 890),
-        ev("cudaMemcpyAsync", "cuda_runtime", 10, 800, correlation=1),  # waited 0.8 ms in .item()
-        ev("aten::copy_", "cpu_op", 1000, 300, **{"Input Dims": [[2, 7], [2, 7]]}),
-        ev("cudaMemcpyAsync", "cuda_runtime", 1010, 100, correlation=2),
-        ev("aten::copy_", "cpu_op", 1400, 300, **{"Input Dims": [[2, 7], [2, 7]]}),
-        ev("cudaMemcpyAsync", "cuda_runtime", 1410, 150, correlation=3),
-        ev("cudaStreamSynchronize", "cuda_runtime", 2000, 50, correlation=4),  # outside every op
-        ev("cudaLaunchKernel", "cuda_runtime", 2100, 2, correlation=5),  # not a blocking call
-        ev("k", "kernel", 2200, 10, tid=7, correlation=5),
+        _event("aten::item", "cpu_op", 0, 900),
+        _event("aten::_local_scalar_dense", "cpu_op", 5, 890),
+        _event("cudaMemcpyAsync", "cuda_runtime", 10, 800, correlation=1),  # waited 0.8 ms in .item()
+        _event("aten::copy_", "cpu_op", 1000, 300, **{"Input Dims": [[2, 7], [2, 7]]}),
+        _event("cudaMemcpyAsync", "cuda_runtime", 1010, 100, correlation=2),
+        _event("aten::copy_", "cpu_op", 1400, 300, **{"Input Dims": [[2, 7], [2, 7]]}),
+        _event("cudaMemcpyAsync", "cuda_runtime", 1410, 150, correlation=3),
+        _event("cudaStreamSynchronize", "cuda_runtime", 2000, 50, correlation=4),  # outside every op
+        _event("cudaLaunchKernel", "cuda_runtime", 2100, 2, correlation=5),  # not a blocking call
+        _event("k", "kernel", 2200, 10, tid=7, correlation=5),
     ]}
     text = trace_summary.summarize(trace, top=5).split("host runtime calls that can block")[1]
     assert "cudaMemcpyAsync x3 1.1 ms" in text and "cudaStreamSynchronize x1 0.1 ms" in text

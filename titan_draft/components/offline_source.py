@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from titan_draft.components.cuda_graphs import maybe_graphed_capture
-from titan_draft.components.synthetic_target import build_synthetic_target, is_synthetic_target
+from titan_draft.components.synthetic_target import SyntheticTarget, build_synthetic_target, is_synthetic_target
 from titan_draft.components.target import build_target, compute_features, read_hf_config
 from titan_draft.data.chat_template import resolve_template
 from titan_draft.data.feature_manifest import check_cache_files, check_manifest, job_facts, load_manifest
@@ -151,7 +151,7 @@ def build_features_fn(cfg: Any, target: nn.Module, layer_ids: list[int], need_la
     """micro-batch -> ``TargetFeatures``: read from the batch offline, computed by the target online."""
     if is_offline(cfg):
         return lambda batch: features_from_batch(batch, dtype)
-    if not is_synthetic_target(cfg.target.flavor) or cfg.target.path:  # synthetic features: no forward to graph
+    if not isinstance(target, SyntheticTarget):  # its features come from a random generator: nothing to graph
         device = next(target.parameters()).device
         target, line = maybe_graphed_capture(target, device, enable=cfg.target.cuda_graph,
                                              static_shapes=cfg.training.static_shapes)
