@@ -53,11 +53,17 @@ drop_launcher_report() {
 # non-zero after they saved. So torchrun runs in a session of its own (Ctrl-C reaches only this
 # script) and this script forwards the signal to torchrun's children, the ranks; a second signal
 # is forwarded as well, which the ranks take as "stop now".
+# A stop that comes before torchrun has started its ranks (pkill finds no child yet) stays pending
+# and is sent as soon as they exist, so a job stopped during start-up still stops.
 interrupted=
+pending=
 launcher=
+maybe_forward() {
+  if [ -n "$launcher" ] && pkill -TERM -P "$launcher" 2>/dev/null; then pending=; fi
+}
 forward_stop() {
-  interrupted=1
-  if [ -n "$launcher" ]; then pkill -TERM -P "$launcher" 2>/dev/null || true; fi
+  interrupted=1 pending=1
+  maybe_forward
 }
 trap forward_stop TERM INT
 own_session=()
@@ -76,6 +82,7 @@ PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True} \
 launcher=$!
 exec 4>&-  # the filter ends when torchrun's stderr closes
 while :; do  # a trapped signal interrupts wait: wait again while the ranks save
+  while [ -n "$pending" ] && kill -0 "$launcher" 2>/dev/null; do sleep 0.2; maybe_forward; done
   interrupted= rc=0
   wait "$launcher" || rc=$?
   [ -n "$interrupted" ] || break

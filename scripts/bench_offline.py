@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,6 +54,7 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--storage", default="bfloat16")
     p.add_argument("--prepare-rows", type=int, default=64, help="rows the prepare case captures")
+    p.add_argument("--writers", type=int, default=2, help="prepare_features --writers (shards written at once)")
     p.add_argument("--tiny", action="store_true", help="debug shapes, eager (CPU is fine)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a, extra = p.parse_known_args(argv)
@@ -105,6 +107,21 @@ def read_bandwidth(paths: list[str], block: int = 64 << 20) -> dict:
                 total += n
     secs = time.perf_counter() - t0
     evict(paths)
+    return {"bytes": total, "seconds": secs, "gb_per_s": total / secs / 1e9}
+
+
+def write_bandwidth(folder: str, total: int = 2 << 30, block: int = 64 << 20) -> dict:
+    """The disk's own sequential write rate: ``total`` bytes in ``block`` writes, fsynced, what a
+    prepare rank's shard writing is bounded by."""
+    path = os.path.join(folder, "write_bandwidth.tmp")
+    buf = os.urandom(block)
+    t0 = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for _ in range(total // block):
+            f.write(buf)
+        os.fsync(f.fileno())
+    secs = time.perf_counter() - t0
+    os.remove(path)
     return {"bytes": total, "seconds": secs, "gb_per_s": total / secs / 1e9}
 
 
@@ -188,11 +205,12 @@ def run_prepare(a) -> dict:
 
     try:
         r = prepare(["--out", os.path.join(a.out, "prepare_cache"), "--storage", a.storage,
-                     *job_overrides(a, "prepare")])
+                     "--writers", str(a.writers), *job_overrides(a, "prepare")])
     finally:
         destroy_distributed()
     t = r["rank0_timing"]
-    return {"rows": r["rows"], "tokens": r["tokens"], "bytes": r["bytes"], "seconds": t["seconds"],
+    shutil.rmtree(os.path.join(a.out, "prepare_cache"))  # room for the write measurement
+    return {"writers": a.writers, "disk_write": write_bandwidth(a.out, total=(64 << 20) if a.tiny else 2 << 30), "rows": r["rows"], "tokens": r["tokens"], "bytes": r["bytes"], "seconds": t["seconds"],
             "computed_tokens": t["computed_tokens"], "forward_seconds": t["forward_seconds"], "batches": t["batches"],
             "forward_median_seconds": t["forward_median_seconds"],
             "forward_us_per_token": 1e6 * t["forward_seconds"] / t["tokens"],
@@ -246,7 +264,9 @@ def report(a) -> str:
         lines.append(f"- prepare: {p['rows']} rows, {p['tokens']} tokens ({p['computed_tokens']} computed with "
                      f"the padding): target forward {p['forward_us_per_token']:.2f} µs/token "
                      f"({p['forward_us_per_computed_token']:.2f} per computed token from the median batch, device time), end to end "
-                     f"(copies and writing overlapped) {p['total_us_per_token']:.2f} µs/token")
+                     f"(copies and writing overlapped) {p['total_us_per_token']:.2f} µs/token; written "
+                     f"{p['bytes'] / 1e9:.2f} GB at {p['bytes'] / p['seconds'] / 1e9:.2f} GB/s by {p['writers']} writers, "
+                     f"the disk's own sequential write (fsynced 64 MiB writes) {p['disk_write']['gb_per_s']:.2f} GB/s")
         if "online" in r and "synthetic" in r:
             lines.append(f"- prepare forward per computed token / online target cost per token: "
                          f"{p['forward_us_per_computed_token'] / cost:.2f} (the goal: at most 1 / 0.8 = 1.25)")

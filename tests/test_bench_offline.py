@@ -57,3 +57,8 @@ def test_prepare_case_reports_its_cost_against_the_online_target(tmp_path):
     ratio = float(re.search(r"online target cost per token: ([0-9.]+)", text).group(1))
     per_token = 1e6 * p["forward_median_seconds"] * p["batches"] / p["computed_tokens"]
     assert ratio == pytest.approx(per_token / cost_us, abs=0.006)
+    # the disk's own write rate beside the shards' (the fsynced test file is gone again)
+    w = p["disk_write"]
+    assert w["bytes"] == 64 << 20 and w["gb_per_s"] == pytest.approx(w["bytes"] / w["seconds"] / 1e9)
+    assert re.search(r"by 2 writers, the disk's own sequential write \(fsynced 64 MiB writes\) [0-9.]+ GB/s", text)
+    assert os.listdir(a.out) and not any(n.endswith(".tmp") or n == "prepare_cache" for n in os.listdir(a.out))

@@ -137,6 +137,40 @@ def test_run_train_sh_stop_signal_reaches_the_ranks_and_exits_0(tmp_path, how):
     assert "launcher got a signal" not in lines, lines
 
 
+# stand-in: a launcher that takes a while before it starts its rank (torchrun's rendezvous),
+# without a child process meanwhile, then starts the rank above
+SLOW_TORCHRUN = FAKE_TORCHRUN.replace("python3 -c", """echo "launcher: starting" >&2
+SECONDS=0; while [ $SECONDS -lt 2 ]; do :; done
+python3 -c""", 1)
+
+
+def test_a_stop_before_the_ranks_exist_reaches_them_once_they_do(tmp_path):
+    """SIGTERM while torchrun is still starting (no rank to forward it to yet) is not lost: it is
+    sent to the ranks as soon as they exist, and the job stops instead of training on."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "torchrun").write_text(SLOW_TORCHRUN)
+    (fake / "torchrun").chmod(0o755)
+    proc = subprocess.Popen(["./run_train.sh"], cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True, start_new_session=True,
+                            env={"PATH": f"{fake}:{sys.executable.rsplit('/', 1)[0]}:/usr/bin:/bin", "NGPU": "1",
+                                 "HOME": str(tmp_path)})
+    lines = []
+    for line in proc.stderr:
+        lines.append(line.strip())
+        if line.startswith("launcher: starting"):
+            break
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    lines += [line.strip() for line in proc.stderr]
+    rc = proc.wait(timeout=30)
+    # the rank either saved (its handler was installed) or, hit while Python was still starting,
+    # died of the signal; it never sleeps its 60 s out and exits 3 as an unstopped run would
+    assert time.monotonic() - t0 < 30 and rc in (0, 128 + signal.SIGTERM), (rc, lines)
+    assert rc != 0 or "rank: step finished, checkpoint saved" in lines, lines
+    assert "launcher got a signal" not in lines, lines
+
+
 def test_run_train_sh_sigterm_under_real_torchrun_saves_and_exits_0(tmp_path, chat_jsonl, random_target_dir):
     """The same with torchrun and the trainer: the run stops after a step with a checkpoint,
     the line saying where to resume, and exit status 0 (torchrun itself exits non-zero when the
