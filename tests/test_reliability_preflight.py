@@ -110,23 +110,50 @@ wait $rank
 """
 
 
-@pytest.mark.parametrize("how", ["kill", "ctrl-c"])
-def test_run_train_sh_stop_signal_reaches_the_ranks_and_exits_0(tmp_path, how):
-    """SIGTERM to run_train.sh (Kubernetes, kill) or Ctrl-C (SIGINT to its whole process group)
-    reaches the ranks, not torchrun: the rank saves and exits 0, and so does the script."""
+def _as_from_a_terminal() -> None:
+    """In the child before exec: SIGINT and SIGTERM at their defaults and nothing blocked, as a
+    terminal starts a command. bash cannot trap a signal it was started with ignored, and a pytest
+    worker's state after hundreds of tests is not a terminal's (under xdist the Ctrl-C case failed
+    that way: the script never saw the SIGINT)."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_DFL)
+
+
+def _signal_state(pid: int) -> str:
+    """The kernel's view of a process's signals (hex masks), for a failure's message."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return " ".join(line.strip() for line in f if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+    except OSError as e:
+        return str(e)
+
+
+def _run_train_sh_until(tmp_path, launcher: str, line_start: str):
+    """./run_train.sh with ``launcher`` as its torchrun, read until a stderr line starts with
+    ``line_start``; returns the process and the lines so far (the last one: the script's signal
+    state then)."""
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "torchrun").write_text(FAKE_TORCHRUN)
+    (fake / "torchrun").write_text(launcher)
     (fake / "torchrun").chmod(0o755)
     proc = subprocess.Popen(["./run_train.sh"], cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            text=True, start_new_session=True,
+                            text=True, start_new_session=True, preexec_fn=_as_from_a_terminal,
                             env={"PATH": f"{fake}:{sys.executable.rsplit('/', 1)[0]}:/usr/bin:/bin", "NGPU": "1",
                                  "HOME": str(tmp_path)})
     lines = []
     for line in proc.stderr:
         lines.append(line.strip())
-        if line.startswith("rank: training"):
+        if line.startswith(line_start):
             break
+    return proc, lines + [f"run_train.sh signals: {_signal_state(proc.pid)}"]
+
+
+@pytest.mark.parametrize("how", ["kill", "ctrl-c"])
+def test_run_train_sh_stop_signal_reaches_the_ranks_and_exits_0(tmp_path, how):
+    """SIGTERM to run_train.sh (Kubernetes, kill) or Ctrl-C (SIGINT to its whole process group)
+    reaches the ranks, not torchrun: the rank saves and exits 0, and so does the script."""
+    proc, lines = _run_train_sh_until(tmp_path, FAKE_TORCHRUN, "rank: training")
     if how == "kill":
         proc.send_signal(signal.SIGTERM)
     else:
@@ -147,19 +174,7 @@ python3 -c""", 1)
 def test_a_stop_before_the_ranks_exist_reaches_them_once_they_do(tmp_path):
     """SIGTERM while torchrun is still starting (no rank to forward it to yet) is not lost: it is
     sent to the ranks as soon as they exist, and the job stops instead of training on."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "torchrun").write_text(SLOW_TORCHRUN)
-    (fake / "torchrun").chmod(0o755)
-    proc = subprocess.Popen(["./run_train.sh"], cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            text=True, start_new_session=True,
-                            env={"PATH": f"{fake}:{sys.executable.rsplit('/', 1)[0]}:/usr/bin:/bin", "NGPU": "1",
-                                 "HOME": str(tmp_path)})
-    lines = []
-    for line in proc.stderr:
-        lines.append(line.strip())
-        if line.startswith("launcher: starting"):
-            break
+    proc, lines = _run_train_sh_until(tmp_path, SLOW_TORCHRUN, "launcher: starting")
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     lines += [line.strip() for line in proc.stderr]
