@@ -27,8 +27,10 @@ done
 # stderr; any other launcher traceback is shown whole. The exit status stays torchrun's.
 # mawk (Debian's awk) reads a pipe in blocks unless told otherwise, which would hold log lines back
 # for minutes; -W interactive makes it read line by line
+# (not `awk -W version | grep -q mawk`: grep -q quits at the first match, awk may then die of
+# SIGPIPE, and pipefail turns that into "not mawk" now and then: lines held back at random)
 awk_live=()
-if awk -W version 2>&1 | grep -q mawk; then awk_live=(-W interactive); fi
+case "$(awk -W version 2>&1 || true)" in *mawk*) awk_live=(-W interactive) ;; esac
 drop_launcher_report() {
   awk ${awk_live[@]+"${awk_live[@]}"} '
     /^Traceback \(most recent call last\):/ { block = 1; n = 0; rules = 0; child = 0 }
