@@ -210,7 +210,9 @@ def run_prepare(a) -> dict:
         destroy_distributed()
     t = r["rank0_timing"]
     shutil.rmtree(os.path.join(a.out, "prepare_cache"))  # room for the write measurement
-    return {"writers": a.writers, "disk_write": write_bandwidth(a.out, total=(64 << 20) if a.tiny else 2 << 30), "rows": r["rows"], "tokens": r["tokens"], "bytes": r["bytes"], "seconds": t["seconds"],
+    disk_write = write_bandwidth(a.out, total=(64 << 20) if a.tiny else 2 << 30)
+    return {"writers": a.writers, "disk_write": disk_write, "rows": r["rows"], "tokens": r["tokens"],
+            "bytes": r["bytes"], "seconds": t["seconds"],
             "computed_tokens": t["computed_tokens"], "forward_seconds": t["forward_seconds"], "batches": t["batches"],
             "forward_median_seconds": t["forward_median_seconds"],
             "forward_us_per_token": 1e6 * t["forward_seconds"] / t["tokens"],
