@@ -54,7 +54,7 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--storage", default="bfloat16")
     p.add_argument("--prepare-rows", type=int, default=64, help="rows the prepare case captures")
-    p.add_argument("--writers", type=int, default=2, help="prepare_features --writers (shards written at once)")
+    p.add_argument("--writers", type=int, default=4, help="prepare_features --writers (shards written at once)")
     p.add_argument("--tiny", action="store_true", help="debug shapes, eager (CPU is fine)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a, extra = p.parse_known_args(argv)
@@ -133,7 +133,7 @@ def run_write(a) -> dict:
     from titan_draft.config import ConfigManager
     from titan_draft.data.chat_template import resolve_template
     from titan_draft.data.feature_manifest import MANIFEST, job_facts, write_json_atomic
-    from titan_draft.data.feature_shards import FORMAT
+    from titan_draft.data.feature_shards import FORMAT, row_features, to_storage
     from titan_draft.data.feature_writer import ShardWriter
     from titan_draft.data.synthetic_source import build_synthetic_source
     from titan_draft.data.system_prompt import resolve_system_prompt
@@ -162,8 +162,9 @@ def run_write(a) -> dict:
     for k, (ids, mask) in enumerate(build_synthetic_source(cfg.data, dp_rank=0, dp_world=1,
                                                            seed=cfg.training.seed).usable_samples()):
         n = len(ids)
-        hidden = {lid: pool[(k + j) % a.seq:][:n] for j, lid in enumerate(layers)}
-        writer.add(ids, mask, k, hidden, pool[:n] if spec.needs_last_hidden else None)
+        aux = torch.cat([pool[(k + j) % a.seq:][:n] for j in range(len(layers))], -1)[None]
+        stored = to_storage(aux, pool[None, :n] if spec.needs_last_hidden else None, len(layers), a.storage)
+        writer.add(ids, mask, k, row_features(stored, 0, n, layers))
         rows += 1
     shards = writer.close()
     write_secs = time.perf_counter() - t0

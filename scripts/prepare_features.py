@@ -38,7 +38,7 @@ from titan_draft.config import ConfigManager, validate_job_config  # noqa: E402
 from titan_draft.data.chat_template import resolve_template  # noqa: E402
 from titan_draft.data.feature_capture import FeatureCopier  # noqa: E402
 from titan_draft.data.feature_manifest import MANIFEST, job_facts, read_rank_index, write_json_atomic  # noqa: E402
-from titan_draft.data.feature_shards import FORMAT, STORAGE_DTYPES  # noqa: E402
+from titan_draft.data.feature_shards import FORMAT, STORAGE_DTYPES, row_features, to_storage  # noqa: E402
 from titan_draft.data.feature_writer import ShardWriter, resume_rank  # noqa: E402
 from titan_draft.data.pipeline import collate_chat, epoch_samples  # noqa: E402
 from titan_draft.data.system_prompt import resolve_system_prompt  # noqa: E402
@@ -56,8 +56,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="dtype of the stored features (float8_e4m3: per-token scale, half of bfloat16's bytes)")
     p.add_argument("--shard-mb", type=float, default=1024.0,
                    help="features per shard file in MiB (each DP rank of training reads whole shards)")
-    p.add_argument("--writers", type=int, default=2,
-                   help="shards written at once (each in flight holds one shard in memory)")
+    p.add_argument("--writers", type=int, default=4,
+                   help="shards written at once (each in flight holds one shard in memory); two fell behind "
+                        "an H200's target, four kept up (docs/performance.md, offline mode)")
     p.add_argument("--estimate", action="store_true",
                    help="only render the rows and print the cache's size (no target forward, nothing written)")
     p.add_argument("--last-hidden", action="store_true",
@@ -130,19 +131,17 @@ class CaptureCounts:
 def capture(cfg, target, tokenizer, samples, writer: ShardWriter, *, layer_ids: list[int], need_last: bool,
             first_row: int, rank: int, world: int, device: torch.device) -> CaptureCounts:
     """Run the target over ``samples`` in batches of ``training.local_batch_size`` and hand each
-    row's features to ``writer``; rows get cache-wide ids ``(first_row + i) * world + rank``."""
+    row's features to ``writer``, in the writer's storage form (made on the device, so float8 is
+    quantized before the copy to the host); rows get cache-wide ids ``(first_row + i) * world + rank``."""
     bsz, t = cfg.training.local_batch_size, cfg.training
     pad_multiple = 16 if cfg.float8.enable else 1
     copier = FeatureCopier(device)  # batch i's copy to the host overlaps batch i+1's forward
     counts = CaptureCounts(0, 0, 0, [])
 
     def write_rows(done) -> None:
-        per_layer = done.aux.unflatten(-1, (len(layer_ids), -1))
         for i, (ids, mask) in enumerate(done.rows):
             n = len(ids)
-            hidden = {lid: per_layer[i, :n, j].clone() for j, lid in enumerate(layer_ids)}
-            last = None if done.last is None else done.last[i, :n].clone()
-            writer.add(ids, mask, (first_row + counts.rows) * world + rank, hidden, last)
+            writer.add(ids, mask, (first_row + counts.rows) * world + rank, row_features(done.tensors, i, n, layer_ids))
             counts.rows += 1
             counts.tokens += n
 
@@ -159,7 +158,8 @@ def capture(cfg, target, tokenizer, samples, writer: ShardWriter, *, layer_ids: 
         counts.computed += b["input_ids"].numel()
         with copier.forward():
             aux, last = target.model.capture(b["input_ids"].to(device, non_blocking=True), layer_ids, need_last)
-        if (done := copier.push(batch, aux, last)) is not None:
+            stored = to_storage(aux, last, len(layer_ids), writer.storage)
+        if (done := copier.push(batch, stored)) is not None:
             write_rows(done)
         batch, b = next_batch()
     if (done := copier.flush()) is not None:

@@ -42,7 +42,8 @@ def test_prepare_case_reports_its_cost_against_the_online_target(tmp_path):
 
     from scripts.bench_offline import run_prepare
 
-    a = parse_args(["--out", str(tmp_path), "--tiny", "--warmup", "1", "--steps", "2", "--prepare-rows", "8"])
+    a = parse_args(["--out", str(tmp_path), "--tiny", "--warmup", "1", "--steps", "2", "--prepare-rows", "8",
+                    "--writers", "3"])
     p = run_prepare(a)
     assert p["rows"] == 8 and p["computed_tokens"] >= p["tokens"] > 0 and p["forward_seconds"] > 0
     assert p["batches"] == -(-8 // a.batch)
@@ -60,5 +61,5 @@ def test_prepare_case_reports_its_cost_against_the_online_target(tmp_path):
     # the disk's own write rate beside the shards' (the fsynced test file is gone again)
     w = p["disk_write"]
     assert w["bytes"] == 64 << 20 and w["gb_per_s"] == pytest.approx(w["bytes"] / w["seconds"] / 1e9)
-    assert re.search(r"by 2 writers, the disk's own sequential write \(fsynced 64 MiB writes\) [0-9.]+ GB/s", text)
+    assert re.search(r"by 3 writers, the disk's own sequential write \(fsynced 64 MiB writes\) [0-9.]+ GB/s", text)
     assert os.listdir(a.out) and not any(n.endswith(".tmp") or n == "prepare_cache" for n in os.listdir(a.out))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offline_cache import Paths, job_argv, prepare_cache
-from titan_draft.data.feature_shards import dequantize, quantize
+from titan_draft.data.feature_shards import dequantize, quantize, row_features, to_storage, write_shard
 
 
 def _e4m3_reference(x: torch.Tensor) -> torch.Tensor:
@@ -78,3 +78,61 @@ def test_cache_holds_the_online_features_in_storage(storage, tmp_path, random_ta
                 torch.testing.assert_close(got.double(), ref, rtol=2e-7, atol=0)
         if i == 3:
             break
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float32", "float8_e4m3"])
+def test_a_batch_stored_at_once_equals_each_row_and_layer_stored_alone(storage):
+    """prepare_features puts a whole batch [B, L, K*H] in storage form on the device; a shard must
+    hold what quantizing each row's [n, H] per layer would give, whatever the other rows hold."""
+    g = torch.Generator().manual_seed(2)
+    k, h, lengths, layer_ids = 3, 16, [7, 4], [1, 5, 9]
+    aux = torch.randn(2, 7, k * h, generator=g) * torch.rand(2, 7, k * h, generator=g) * 30
+    last = torch.randn(2, 7, h, generator=g)
+    aux[1, 4:] = 1e4  # padding with outliers must not touch a real token's scale
+    batch = to_storage(aux, last, k, storage)
+    for i, n in enumerate(lengths):
+        row = row_features(batch, i, n, layer_ids)
+        want = {}
+        for j, lid in enumerate(layer_ids):
+            want.update({f"hidden.{lid}{s}": t for s, t in quantize(aux[i, :n, j * h:(j + 1) * h], storage).items()})
+        want.update({f"last_hidden{s}": t for s, t in quantize(last[i, :n], storage).items()})
+        assert sorted(row) == sorted(want)
+        for name, t in row.items():
+            assert t.dtype == want[name].dtype and t.is_contiguous()
+            assert torch.equal(t.view(torch.uint8), want[name].view(torch.uint8)), name
+
+
+def test_a_shard_refuses_features_not_in_its_storage(tmp_path):
+    rows = dict(input_ids=[[1, 2]], loss_mask=[[True, True]], row_ids=[0])
+    with pytest.raises(ValueError, match=r"write_shard: hidden.3 is torch.float32, a bfloat16 shard stores torch.bfloat16"):
+        write_shard(str(tmp_path / "s"), features={"hidden.3": [torch.zeros(2, 4)]}, storage="bfloat16", **rows)
+    with pytest.raises(ValueError, match=r"write_shard: hidden.3 has no hidden.3.scale"):
+        write_shard(str(tmp_path / "s"), features={"hidden.3": [torch.zeros(2, 4).to(torch.float8_e4m3fn)]},
+                    storage="float8_e4m3", **rows)
+    assert not list(tmp_path.iterdir())
+
+
+def _batch_and_reference(device):
+    """A [2, 32, 4*64] batch quantized on ``device``, dequantized on the host, and its float64 reference."""
+    g = torch.Generator().manual_seed(3)
+    aux = torch.randn(2, 32, 4 * 64, generator=g) * torch.rand(2, 32, 1, generator=g) * 20
+    stored = to_storage(aux.to(device), None, 4, "float8_e4m3")
+    back = dequantize(stored["aux"].flatten(-2).cpu(), stored["aux.scale"].cpu(), torch.float32)
+    per_layer = aux.unflatten(-1, (4, -1))
+    ref = torch.stack([_e4m3_reference(per_layer[..., j, :].flatten(0, 1)) for j in range(4)], 1)
+    return stored, back, ref.flatten(1).view(aux.shape)
+
+
+def test_a_batch_in_float8_matches_the_float64_definition():
+    _, back, ref = _batch_and_reference("cpu")
+    torch.testing.assert_close(back.double(), ref, rtol=2e-7, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="quantizing on the device needs a GPU")
+def test_float8_on_the_device_is_the_hosts():
+    """prepare_features quantizes on the GPU: a cache must be the same wherever it was quantized."""
+    stored, back, ref = _batch_and_reference("cuda")
+    on_host, _, _ = _batch_and_reference("cpu")
+    for name, t in on_host.items():
+        assert torch.equal(stored[name].cpu().view(torch.uint8), t.view(torch.uint8)), name
+    torch.testing.assert_close(back.double(), ref, rtol=2e-7, atol=0)

@@ -21,7 +21,7 @@ H = 8
 
 def _row(i: int):
     n = 3 + i % 4
-    return [i] * n, [True] * n, i, {2: torch.full((n, H), float(i))}, None
+    return [i] * n, [True] * n, i, {"hidden.2": torch.full((n, H), float(i), dtype=torch.bfloat16)}
 
 
 def _fill(writer: ShardWriter, rows: int) -> None:
@@ -90,23 +90,29 @@ def _shape(i: int) -> tuple[int, int, int]:
 def test_copier_hands_each_batch_out_one_push_later(device=torch.device("cpu")):
     copier = FeatureCopier(device)
     out = []
+
+    def keep(done):  # the host copy is reused two pushes later: keep a copy of its own
+        out.append((done.rows, {name: t.clone() for name, t in done.tensors.items()}))
+
     for i in range(6):
         with copier.forward():
-            aux = torch.full(_shape(i), float(i), device=device)
-            last = None if i % 2 else torch.full(_shape(i)[:2] + (1,), -float(i), device=device)
-        done = copier.push(f"rows{i}", aux, last)
+            tensors = {"aux": torch.full(_shape(i), float(i), device=device)}
+            if not i % 2:  # a batch may carry other tensors than the one before
+                tensors["last"] = torch.full(_shape(i)[:2] + (1,), -float(i), device=device).bfloat16()
+        done = copier.push(f"rows{i}", tensors)
         assert (done is None) == (i == 0)
         if done is not None:
-            out.append((done.rows, done.aux.clone(), None if done.last is None else done.last.clone()))
-    done = copier.flush()
-    out.append((done.rows, done.aux.clone(), None if done.last is None else done.last.clone()))
+            keep(done)
+    keep(copier.flush())
     assert copier.flush() is None
-    assert [r for r, _, _ in out] == [f"rows{i}" for i in range(6)]
-    for i, (_, aux, last) in enumerate(out):
-        assert aux.device.type == "cpu" and torch.equal(aux, torch.full(_shape(i), float(i)))
-        assert (last is None) == bool(i % 2)
-        if last is not None:
-            assert torch.equal(last, torch.full(_shape(i)[:2] + (1,), -float(i)))
+    assert [r for r, _ in out] == [f"rows{i}" for i in range(6)]
+    for i, (_, got) in enumerate(out):
+        assert sorted(got) == (["aux"] if i % 2 else ["aux", "last"])
+        assert all(t.device.type == "cpu" for t in got.values())
+        assert torch.equal(got["aux"], torch.full(_shape(i), float(i)))
+        if not i % 2:
+            assert got["last"].dtype == torch.bfloat16
+            assert torch.equal(got["last"], torch.full(_shape(i)[:2] + (1,), -float(i), dtype=torch.bfloat16))
     times = copier.forward_times()
     assert len(times) == 6 and all(t >= 0.0 for t in times)
 

@@ -25,12 +25,11 @@ __all__ = ["CapturedBatch", "FeatureCopier"]
 
 @dataclass
 class CapturedBatch:
-    """One batch's rows and its features on the host (valid until the second ``push`` after the
-    one that returned it: the pinned buffer is then reused, so copy out what is kept)."""
+    """One batch's rows and its named feature tensors on the host (valid until the second ``push``
+    after the one that returned it: the pinned buffer is then reused, so copy out what is kept)."""
 
     rows: Any
-    aux: torch.Tensor
-    last: Optional[torch.Tensor]
+    tensors: dict[str, torch.Tensor]
 
 
 class _Slot:
@@ -43,8 +42,7 @@ class _Slot:
     def __init__(self, pin: bool = True) -> None:
         self.pin = pin
         self._flat: dict[str, torch.Tensor] = {}
-        self.aux: Optional[torch.Tensor] = None
-        self.last: Optional[torch.Tensor] = None
+        self.tensors: dict[str, torch.Tensor] = {}
         self.done: Optional[torch.cuda.Event] = None
 
     def view(self, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -56,7 +54,7 @@ class _Slot:
 
 
 class FeatureCopier:
-    """``push(rows, aux, last)`` after each forward returns the previous batch (or None); ``flush()``
+    """``push(rows, tensors)`` after each forward returns the previous batch (or None); ``flush()``
     after the last forward returns the last one; ``forward()`` times a forward."""
 
     def __init__(self, device: torch.device):
@@ -90,27 +88,24 @@ class FeatureCopier:
             return [s.elapsed_time(e) / 1e3 for s, e in self._events]
         return list(self._host_times)
 
-    def push(self, rows: Any, aux: torch.Tensor, last: Optional[torch.Tensor]) -> Optional[CapturedBatch]:
-        """Start moving this batch's features to the host; the previous batch, copied, or None."""
+    def push(self, rows: Any, tensors: dict[str, torch.Tensor]) -> Optional[CapturedBatch]:
+        """Start moving this batch's tensors to the host; the previous batch, copied, or None."""
         if self.cuda:
             slot = self._slots[self._next_slot]
             self._next_slot = 1 - self._next_slot
-            slot.aux = slot.view("aux", aux)
-            slot.last = None if last is None else slot.view("last", last)
+            slot.tensors = {name: slot.view(name, t) for name, t in tensors.items()}
             self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the forward wrote them
             with torch.cuda.stream(self._stream):
-                slot.aux.copy_(aux, non_blocking=True)
-                if last is not None:
-                    slot.last.copy_(last, non_blocking=True)
+                for name, t in tensors.items():
+                    slot.tensors[name].copy_(t, non_blocking=True)
                 slot.done = torch.cuda.Event()
                 slot.done.record()
             # the allocator must not hand the device tensors out again before the copy has read them
-            aux.record_stream(self._stream)
-            if last is not None:
-                last.record_stream(self._stream)
+            for t in tensors.values():
+                t.record_stream(self._stream)
             entry: Any = slot
         else:
-            entry = CapturedBatch(rows, aux, last)
+            entry = CapturedBatch(rows, dict(tensors))
         previous, self._pending = self._pending, (rows, entry)
         return None if previous is None else self._finish(previous)
 
@@ -125,4 +120,4 @@ class FeatureCopier:
         if isinstance(entry, CapturedBatch):
             return entry
         entry.done.synchronize()
-        return CapturedBatch(rows, entry.aux, entry.last)
+        return CapturedBatch(rows, entry.tensors)

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from titan_draft.data.safetensors_stream import write_safetensors
 
 __all__ = ["FORMAT", "STORAGE_DTYPES", "ShardReader", "dequantize", "file_sha256", "hidden_key",
-           "quantize", "write_shard"]
+           "quantize", "row_features", "to_storage", "write_shard"]
 
 FORMAT = "titan_draft.features/1"
 STORAGE_DTYPES = ("bfloat16", "float32", "float8_e4m3")
@@ -37,6 +37,7 @@ STORAGE_DTYPES = ("bfloat16", "float32", "float8_e4m3")
 output; float8_e4m3: half of bfloat16's bytes, with a per-token scale."""
 
 _E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+_STORED_DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3": torch.float8_e4m3fn}
 
 
 def hidden_key(layer_id: int) -> str:
@@ -44,7 +45,8 @@ def hidden_key(layer_id: int) -> str:
 
 
 def quantize(x: torch.Tensor, storage: str) -> dict[str, torch.Tensor]:
-    """``x [T, H]`` in storage form: ``{"": values}`` plus ``{".scale": [T]}`` for float8.
+    """``x [..., H]`` in storage form, on x's device: ``{"": values}`` plus ``{".scale": [...]}``
+    for float8.
 
     float8 scales each token by its own absolute maximum, so the largest value of every token
     lands on e4m3's largest finite value and no token's range is set by another's outliers."""
@@ -56,9 +58,34 @@ def quantize(x: torch.Tensor, storage: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"feature storage {storage!r} is not one of {STORAGE_DTYPES}")
     x = x.float()
     amax = x.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / _E4M3_MAX, torch.ones_like(amax))
-    q = (x / scale[:, None]).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+    # divided by a tensor, not the number: CUDA multiplies by the reciprocal of a Python-number
+    # divisor, which rounds differently, and a cache must not depend on where it was quantized
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, _E4M3_MAX), torch.ones_like(amax))
+    q = (x / scale.unsqueeze(-1)).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
     return {"": q.contiguous(), ".scale": scale.contiguous()}
+
+
+def to_storage(aux: torch.Tensor, last: torch.Tensor | None, num_layers: int, storage: str) -> dict[str, torch.Tensor]:
+    """A captured batch in storage form, on the device it was computed on (float8 is quantized
+    there: the host then copies half the bytes and does no arithmetic on them): ``"aux" [B, L, K,
+    H]`` from ``aux [B, L, K*H]``, ``"last" [B, L, H]`` when given, each float8 one with its
+    ``".scale"`` beside it (``"aux.scale" [B, L, K]``)."""
+    out = {"aux" + k: v for k, v in quantize(aux.unflatten(-1, (num_layers, -1)), storage).items()}
+    if last is not None:
+        out.update({"last" + k: v for k, v in quantize(last, storage).items()})
+    return out
+
+
+def row_features(batch: dict[str, torch.Tensor], i: int, n: int, layer_ids: list[int]) -> dict[str, torch.Tensor]:
+    """Row ``i``'s first ``n`` tokens of a ``to_storage`` batch under their shard names
+    (``hidden.<id>[.scale]``, ``last_hidden[.scale]``), copied out: the batch's memory is reused."""
+    row = {}
+    for suffix in ("", ".scale"):
+        if (aux := batch.get("aux" + suffix)) is not None:
+            row.update({hidden_key(lid) + suffix: aux[i, :n, j].clone() for j, lid in enumerate(layer_ids)})
+        if (last := batch.get("last" + suffix)) is not None:
+            row["last_hidden" + suffix] = last[i, :n].clone()
+    return row
 
 
 def dequantize(values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -72,24 +99,27 @@ def dequantize(values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dt
 
 
 def write_shard(path: str, *, input_ids: list[list[int]], loss_mask: list[list[bool]], row_ids: list[int],
-                hidden: dict[int, list[torch.Tensor]], last_hidden: list[torch.Tensor] | None,
-                storage: str) -> dict[str, Any]:
+                features: dict[str, list[torch.Tensor]], storage: str) -> dict[str, Any]:
     """Write one shard atomically; returns its index entry (file name, rows, tokens, bytes, sha256).
 
-    ``hidden[layer_id]`` and ``last_hidden`` hold one ``[len(row), H]`` tensor per row."""
+    ``features`` maps each shard name (``row_features``) to one tensor per row, already in storage
+    form; the rows are written one after another, not concatenated in memory first."""
+    if storage not in _STORED_DTYPE:
+        raise ValueError(f"feature storage {storage!r} is not one of {STORAGE_DTYPES}")
     lengths = [len(ids) for ids in input_ids]
-    tensors: dict[str, torch.Tensor] = {
+    for name, rows in features.items():
+        want = torch.float32 if name.endswith(".scale") else _STORED_DTYPE[storage]
+        if rows[0].dtype != want:
+            raise ValueError(f"write_shard: {name} is {rows[0].dtype}, a {storage} shard stores {want}")
+        if storage == "float8_e4m3" and not name.endswith(".scale") and name + ".scale" not in features:
+            raise ValueError(f"write_shard: {name} has no {name}.scale (float8 values mean nothing without it)")
+    tensors: dict[str, torch.Tensor | list[torch.Tensor]] = {
         "input_ids": torch.tensor([t for ids in input_ids for t in ids], dtype=torch.int32),
         "loss_mask": torch.tensor([m for mask in loss_mask for m in mask], dtype=torch.bool),
         "lengths": torch.tensor(lengths, dtype=torch.int64),
         "row_ids": torch.tensor(row_ids, dtype=torch.int64),
+        **features,
     }
-    named = {hidden_key(i): rows for i, rows in hidden.items()}
-    if last_hidden is not None:
-        named["last_hidden"] = last_hidden
-    for name, rows in named.items():
-        for suffix, t in quantize(torch.cat(rows), storage).items():
-            tensors[name + suffix] = t
     tmp = f"{path}.tmp"
     size, sha256 = write_safetensors(tmp, tensors, {"format": FORMAT, "storage": storage})
     os.replace(tmp, path)  # the shard appears whole or not at all

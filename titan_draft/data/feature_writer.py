@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from titan_draft.data.feature_manifest import rank_index_path, read_rank_index
-from titan_draft.data.feature_shards import write_shard
+from titan_draft.data.feature_shards import STORAGE_DTYPES, write_shard
 
 __all__ = ["ShardWriter", "resume_rank"]
 
@@ -50,8 +50,8 @@ def resume_rank(folder: str, rank: int) -> list[dict[str, Any]]:
 class ShardWriter:
     """Buffers rows and writes a shard once it holds ``shard_bytes`` of features.
 
-    ``add`` takes one row's ids, mask, cache-wide id, ``{layer_id: [L, H]}`` and the optional last
-    hidden ``[L, H]`` (CPU tensors). Up to ``writers`` shards are written at once by background
+    ``add`` takes one row's ids, mask, cache-wide id and features (CPU tensors in storage form
+    under their shard names: ``feature_shards.row_features``). Up to ``writers`` shards are written at once by background
     threads (serializing, hashing and writing a shard release the GIL for most of their time, and
     one thread alone falls behind a fast target); the index still gains its lines in shard order,
     each only once every earlier shard is listed, so it always names a prefix of the rows. ``add``
@@ -63,11 +63,12 @@ class ShardWriter:
                  writers: int = 2):
         if writers < 1:
             raise ValueError(f"writers: must be >= 1, got {writers}")
+        if storage not in STORAGE_DTYPES:
+            raise ValueError(f"storage: {storage!r} is not one of {STORAGE_DTYPES}")
         self.folder, self.rank, self.storage, self.shard_bytes = folder, rank, storage, shard_bytes
         self._k = first_shard
         self._rows: list[tuple] = []
         self._bytes = 0
-        self._itemsize = {"bfloat16": 2, "float32": 4, "float8_e4m3": 1}[storage]
         self._slots = threading.BoundedSemaphore(writers)
         self._lock = threading.Lock()
         self._finished: dict[int, dict[str, Any]] = {}  # shard number -> entry, written but not yet listed
@@ -83,8 +84,7 @@ class ShardWriter:
             entry = write_shard(
                 os.path.join(self.folder, shard_name(self.rank, k)),
                 input_ids=[r[0] for r in rows], loss_mask=[r[1] for r in rows], row_ids=[r[2] for r in rows],
-                hidden={i: [r[3][i] for r in rows] for i in rows[0][3]},
-                last_hidden=None if rows[0][4] is None else [r[4] for r in rows], storage=self.storage)
+                features={name: [r[3][name] for r in rows] for name in rows[0][3]}, storage=self.storage)
             entry["rank"] = self.rank
             with self._lock:
                 self._finished[k] = entry
@@ -113,11 +113,10 @@ class ShardWriter:
         if self._error is not None:
             raise RuntimeError(f"feature shard writer (rank {self.rank}) failed: {self._error}") from self._error
 
-    def add(self, ids: list[int], mask: list[bool], row_id: int, hidden: dict[int, torch.Tensor],
-            last_hidden: torch.Tensor | None) -> None:
+    def add(self, ids: list[int], mask: list[bool], row_id: int, features: dict[str, torch.Tensor]) -> None:
         self._check()
-        self._rows.append((ids, mask, row_id, hidden, last_hidden))
-        self._bytes += sum(t.numel() for t in hidden.values()) * self._itemsize
+        self._rows.append((ids, mask, row_id, features))
+        self._bytes += sum(t.numel() * t.element_size() for t in features.values())
         if self._bytes >= self.shard_bytes:
             self._flush()
 

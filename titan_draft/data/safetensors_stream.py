@@ -12,6 +12,10 @@ elements first, then by name, so every tensor starts aligned to its element size
 orders its own files slightly differently (by dtype) and writes metadata in hash-map order;
 readers take any order. ``tests/test_safetensors_stream.py`` reads the files back with
 safetensors itself.
+
+A tensor may also be given as a list of pieces that share a dtype and all but the first dimension:
+the file holds them concatenated along it, written piece after piece, so a shard built from many
+rows is never concatenated in memory (one pass over a gigabyte less per shard).
 """
 
 from __future__ import annotations
@@ -37,20 +41,37 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
-                      *, chunk_bytes: int = CHUNK_BYTES) -> tuple[int, str]:
-    """Write ``tensors`` to ``path`` (flushed and fsynced); returns ``(file bytes, sha256 hex)``."""
-    for name, t in tensors.items():
+def _pieces(name: str, value: torch.Tensor | list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """A tensor's pieces and the shape they make together (checked: one dtype, CPU, same trailing
+    dimensions)."""
+    pieces = [value] if isinstance(value, torch.Tensor) else list(value)
+    if not pieces:
+        raise ValueError(f"write_safetensors: {name} is an empty list of pieces")
+    first = pieces[0]
+    for t in pieces:
         if t.dtype not in _DTYPE_NAMES or t.device.type != "cpu":
             raise ValueError(f"write_safetensors: {name} is a {t.dtype} tensor on {t.device}; "
                              f"only CPU tensors of {sorted(map(str, _DTYPE_NAMES))} are written")
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+        if len(pieces) > 1 and (t.dtype != first.dtype or t.dim() == 0 or t.shape[1:] != first.shape[1:]):
+            raise ValueError(f"write_safetensors: {name}'s pieces differ ({first.dtype} {list(first.shape)} "
+                             f"and {t.dtype} {list(t.shape)}); they must differ only in the first dimension")
+    if len(pieces) == 1:
+        return pieces, list(first.shape)
+    return pieces, [sum(t.shape[0] for t in pieces), *first.shape[1:]]
+
+
+def write_safetensors(path: str, tensors: dict[str, torch.Tensor | list[torch.Tensor]],
+                      metadata: dict[str, str] | None = None, *, chunk_bytes: int = CHUNK_BYTES) -> tuple[int, str]:
+    """Write ``tensors`` to ``path`` (flushed and fsynced); returns ``(file bytes, sha256 hex)``.
+    A list stands for its pieces concatenated along the first dimension."""
+    parts = {name: _pieces(name, value) for name, value in tensors.items()}
+    order = sorted(parts, key=lambda k: (-parts[k][0][0].element_size(), k))
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name in order:
-        t = tensors[name]
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        pieces, shape = parts[name]
+        size = sum(t.numel() for t in pieces) * pieces[0].element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[pieces[0].dtype], "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -60,11 +81,12 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dic
             f.write(piece)
             digest.update(piece)
         for name in order:
-            raw = _raw(tensors[name])
-            for start in range(0, len(raw), chunk_bytes):
-                piece = raw[start : start + chunk_bytes]
-                f.write(piece)
-                digest.update(piece)  # hashlib releases the GIL on large pieces: writers run in parallel
+            for t in parts[name][0]:
+                raw = _raw(t)
+                for start in range(0, len(raw), chunk_bytes):
+                    piece = raw[start : start + chunk_bytes]
+                    f.write(piece)
+                    digest.update(piece)  # hashlib releases the GIL on large pieces: writers run in parallel
         f.flush()
         os.fsync(f.fileno())
     return 8 + len(text) + offset, digest.hexdigest()
