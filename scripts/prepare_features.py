@@ -57,8 +57,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--shard-mb", type=float, default=1024.0,
                    help="features per shard file in MiB (each DP rank of training reads whole shards)")
     p.add_argument("--writers", type=int, default=4,
-                   help="shards written at once (each in flight holds one shard in memory); two fell behind "
-                        "an H200's target, four kept up (docs/performance.md, offline mode)")
+                   help="shards written at once (each in flight holds one shard in memory); on H200 machines' "
+                        "disks two fell behind the target, four kept up (docs/performance.md, offline mode)")
     p.add_argument("--estimate", action="store_true",
                    help="only render the rows and print the cache's size (no target forward, nothing written)")
     p.add_argument("--last-hidden", action="store_true",
