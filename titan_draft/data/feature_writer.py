@@ -60,7 +60,7 @@ class ShardWriter:
     all; a write error is raised by the next ``add`` or by ``close``."""
 
     def __init__(self, folder: str, rank: int, *, storage: str, shard_bytes: int, first_shard: int,
-                 writers: int = 2):
+                 writers: int = 4):
         if writers < 1:
             raise ValueError(f"writers: must be >= 1, got {writers}")
         if storage not in STORAGE_DTYPES:
