@@ -38,7 +38,7 @@ from titan_draft.config import ConfigManager, validate_job_config  # noqa: E402
 from titan_draft.data.chat_template import resolve_template  # noqa: E402
 from titan_draft.data.feature_capture import FeatureCopier  # noqa: E402
 from titan_draft.data.feature_manifest import MANIFEST, job_facts, read_rank_index, write_json_atomic  # noqa: E402
-from titan_draft.data.feature_shards import FORMAT, STORAGE_DTYPES, row_features, to_storage  # noqa: E402
+from titan_draft.data.feature_shards import FORMAT, STORAGE_DTYPES, row_features, stored_dtype, to_storage  # noqa: E402
 from titan_draft.data.feature_writer import ShardWriter, resume_rank  # noqa: E402
 from titan_draft.data.pipeline import collate_chat, epoch_samples  # noqa: E402
 from titan_draft.data.system_prompt import resolve_system_prompt  # noqa: E402
@@ -97,7 +97,7 @@ def _any_rank(flag: bool, world: int, device: torch.device) -> bool:
 def bytes_per_token(num_layers: int, hidden_size: int, storage: str) -> float:
     """Disk bytes of one cached token: the hidden tensors (and float8's per-token scales), its id
     (int32) and its loss-mask byte."""
-    width = {"bfloat16": 2, "float32": 4, "float8_e4m3": 1}[storage]
+    width = stored_dtype(storage).itemsize
     scale = 4 if storage == "float8_e4m3" else 0
     return num_layers * (hidden_size * width + scale) + 4 + 1
 

@@ -133,3 +133,13 @@ def test_a_slot_grows_its_host_memory_and_views_it_per_batch():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned side-stream copy needs a GPU")
 def test_copier_on_cuda_reuses_its_pinned_buffers_safely():
     test_copier_hands_each_batch_out_one_push_later(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"storage": "float16"}, r"feature storage 'float16' is not one of \('bfloat16', 'float32', 'float8_e4m3'\)"),
+    ({"writers": 0}, "writers: must be >= 1, got 0"),
+])
+def test_a_writer_with_bad_settings_is_refused_before_any_row(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        ShardWriter(str(tmp_path), 0, **{"storage": "bfloat16", "shard_bytes": 1 << 20, "first_shard": 0, **kw})
+    assert not list(tmp_path.iterdir())

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from titan_draft.data.safetensors_stream import write_safetensors
 
 __all__ = ["FORMAT", "STORAGE_DTYPES", "ShardReader", "dequantize", "file_sha256", "hidden_key",
-           "quantize", "row_features", "to_storage", "write_shard"]
+           "quantize", "row_features", "stored_dtype", "to_storage", "write_shard"]
 
 FORMAT = "titan_draft.features/1"
 STORAGE_DTYPES = ("bfloat16", "float32", "float8_e4m3")
@@ -38,6 +38,13 @@ output; float8_e4m3: half of bfloat16's bytes, with a per-token scale."""
 
 _E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 _STORED_DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8_e4m3": torch.float8_e4m3fn}
+
+
+def stored_dtype(storage: str) -> torch.dtype:
+    """The dtype a storage keeps feature values in (float8's scales are float32 beside them)."""
+    if storage not in _STORED_DTYPE:
+        raise ValueError(f"feature storage {storage!r} is not one of {STORAGE_DTYPES}")
+    return _STORED_DTYPE[storage]
 
 
 def hidden_key(layer_id: int) -> str:
@@ -50,12 +57,9 @@ def quantize(x: torch.Tensor, storage: str) -> dict[str, torch.Tensor]:
 
     float8 scales each token by its own absolute maximum, so the largest value of every token
     lands on e4m3's largest finite value and no token's range is set by another's outliers."""
-    if storage == "bfloat16":
-        return {"": x.to(torch.bfloat16).contiguous()}
-    if storage == "float32":
-        return {"": x.to(torch.float32).contiguous()}
+    dtype = stored_dtype(storage)
     if storage != "float8_e4m3":
-        raise ValueError(f"feature storage {storage!r} is not one of {STORAGE_DTYPES}")
+        return {"": x.to(dtype).contiguous()}
     x = x.float()
     amax = x.abs().amax(dim=-1)
     # divided by a tensor, not the number: CUDA multiplies by the reciprocal of a Python-number
@@ -104,11 +108,10 @@ def write_shard(path: str, *, input_ids: list[list[int]], loss_mask: list[list[b
 
     ``features`` maps each shard name (``row_features``) to one tensor per row, already in storage
     form; the rows are written one after another, not concatenated in memory first."""
-    if storage not in _STORED_DTYPE:
-        raise ValueError(f"feature storage {storage!r} is not one of {STORAGE_DTYPES}")
+    values_dtype = stored_dtype(storage)
     lengths = [len(ids) for ids in input_ids]
     for name, rows in features.items():
-        want = torch.float32 if name.endswith(".scale") else _STORED_DTYPE[storage]
+        want = torch.float32 if name.endswith(".scale") else values_dtype
         if rows[0].dtype != want:
             raise ValueError(f"write_shard: {name} is {rows[0].dtype}, a {storage} shard stores {want}")
         if storage == "float8_e4m3" and not name.endswith(".scale") and name + ".scale" not in features:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from titan_draft.data.feature_manifest import rank_index_path, read_rank_index
-from titan_draft.data.feature_shards import STORAGE_DTYPES, write_shard
+from titan_draft.data.feature_shards import stored_dtype, write_shard
 
 __all__ = ["ShardWriter", "resume_rank"]
 
@@ -51,20 +51,19 @@ class ShardWriter:
     """Buffers rows and writes a shard once it holds ``shard_bytes`` of features.
 
     ``add`` takes one row's ids, mask, cache-wide id and features (CPU tensors in storage form
-    under their shard names: ``feature_shards.row_features``). Up to ``writers`` shards are written at once by background
-    threads (serializing, hashing and writing a shard release the GIL for most of their time, and
-    one thread alone falls behind a fast target); the index still gains its lines in shard order,
-    each only once every earlier shard is listed, so it always names a prefix of the rows. ``add``
-    waits while ``writers`` shards are in flight: with the one being filled, at most
-    ``writers + 1`` shards are in memory. ``close`` writes the last partial shard and waits for
-    all; a write error is raised by the next ``add`` or by ``close``."""
+    under their shard names: ``feature_shards.row_features``). Up to ``writers`` shards are
+    written at once by background threads (serializing, hashing and writing a shard release the
+    GIL for most of their time, and one thread alone falls behind a fast target); the index still
+    gains its lines in shard order, each only once every earlier shard is listed, so it always
+    names a prefix of the rows. ``add`` waits while ``writers`` shards are in flight: with the one
+    being filled, at most ``writers + 1`` shards are in memory. ``close`` writes the last partial
+    shard and waits for all; a write error is raised by the next ``add`` or by ``close``."""
 
     def __init__(self, folder: str, rank: int, *, storage: str, shard_bytes: int, first_shard: int,
                  writers: int = 4):
         if writers < 1:
             raise ValueError(f"writers: must be >= 1, got {writers}")
-        if storage not in STORAGE_DTYPES:
-            raise ValueError(f"storage: {storage!r} is not one of {STORAGE_DTYPES}")
+        stored_dtype(storage)  # an unknown storage is named here, not by the first shard's thread
         self.folder, self.rank, self.storage, self.shard_bytes = folder, rank, storage, shard_bytes
         self._k = first_shard
         self._rows: list[tuple] = []
