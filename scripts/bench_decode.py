@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dataclasses import replace  # noqa: E402
 
-from titan_draft.components.cuda_graphs import GraphedDecoder  # noqa: E402
-from titan_draft.components.target import load_target  # noqa: E402
+from titan_draft.distributed.cuda_graphs import GraphedDecoder  # noqa: E402
+from titan_draft.features.target import load_target  # noqa: E402
 
 
 def _median_ms(fn, cache, start: int, warmup: int, iters: int) -> float:
@@ -62,7 +62,7 @@ def bench_case(target, batch: int, context: int, new: int, warmup: int, iters: i
 
 
 def _smollm2_shape(dtype):
-    from models.qwen3 import Qwen3Model, qwen3_flavors
+    from models.targets.qwen3 import Qwen3Model, qwen3_flavors
 
     args = replace(qwen3_flavors["debugmodel"], hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152, qk_norm=False)

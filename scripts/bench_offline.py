@@ -128,15 +128,15 @@ def write_bandwidth(folder: str, total: int = 2 << 30, block: int = 64 << 20) ->
 def run_write(a) -> dict:
     import torch
 
-    from titan_draft.components.synthetic_target import build_synthetic_target
-    from titan_draft.components.target import build_target_tokenizer
+    from titan_draft.features.synthetic import build_synthetic_target
+    from titan_draft.features.target import build_target_tokenizer
     from titan_draft.config import ConfigManager
-    from titan_draft.data.chat_template import resolve_template
-    from titan_draft.data.feature_manifest import MANIFEST, job_facts, write_json_atomic
-    from titan_draft.data.feature_shards import FORMAT, row_features, to_storage
-    from titan_draft.data.feature_writer import ShardWriter
-    from titan_draft.data.synthetic_source import build_synthetic_source
-    from titan_draft.data.system_prompt import resolve_system_prompt
+    from titan_draft.data.chat.template import resolve_template
+    from titan_draft.data.features.manifest import MANIFEST, job_facts, write_json_atomic
+    from titan_draft.data.features.shards import FORMAT, row_features, to_storage
+    from titan_draft.data.features.writer import ShardWriter
+    from titan_draft.data.sources.synthetic import build_synthetic_source
+    from titan_draft.data.chat.system_prompt import resolve_system_prompt
     from titan_draft.protocols import get_model_spec
     from titan_draft.train import resolve_model_args
 

@@ -174,7 +174,7 @@ def run_worker(spec: dict) -> None:
     import torch
 
     from titan_draft.components.metrics import get_peak_flops
-    from titan_draft.components.target import check_target_config
+    from titan_draft.features.target import check_target_config
     from titan_draft.config import ConfigManager, validate_job_config
     from titan_draft.distributed.utils import destroy_distributed
     from titan_draft.logger import init_logger, logger

@@ -12,8 +12,8 @@ mask, max_length, reserved-token filter) and the capture layers the job's draft 
 
 Each rank renders its rows (``r, r + W, ...`` of the source, in source order), runs the target in
 batches of ``training.local_batch_size`` and writes ``shard-r<rank>-<k>.safetensors`` files of
-about ``--shard-mb`` (titan_draft/data/feature_shards.py) from ``--writers`` background threads,
-while the next batches' features come off the device (titan_draft/data/feature_capture.py). An
+about ``--shard-mb`` (titan_draft/data/features/shards.py) from ``--writers`` background threads,
+while the next batches' features come off the device (titan_draft/data/features/capture.py). An
 interrupted run started again with the same arguments continues after the last finished shard.
 When every rank is done, rank 0 writes ``manifest.json`` (what the features were captured from,
 every shard's size and sha256); training refuses a cache without it.
@@ -33,15 +33,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from titan_draft.components.target import build_target, build_target_tokenizer, check_target_config  # noqa: E402
+from titan_draft.features.target import build_target, build_target_tokenizer, check_target_config  # noqa: E402
 from titan_draft.config import ConfigManager, validate_job_config  # noqa: E402
-from titan_draft.data.chat_template import resolve_template  # noqa: E402
-from titan_draft.data.feature_capture import FeatureCopier  # noqa: E402
-from titan_draft.data.feature_manifest import MANIFEST, job_facts, read_rank_index, write_json_atomic  # noqa: E402
-from titan_draft.data.feature_shards import FORMAT, STORAGE_DTYPES, row_features, stored_dtype, to_storage  # noqa: E402
-from titan_draft.data.feature_writer import ShardWriter, resume_rank  # noqa: E402
+from titan_draft.data.chat.template import resolve_template  # noqa: E402
+from titan_draft.data.features.capture import FeatureCopier  # noqa: E402
+from titan_draft.data.features.manifest import MANIFEST, job_facts, read_rank_index, write_json_atomic  # noqa: E402
+from titan_draft.data.features.shards import FORMAT, STORAGE_DTYPES, row_features, stored_dtype, to_storage  # noqa: E402
+from titan_draft.data.features.writer import ShardWriter, resume_rank  # noqa: E402
 from titan_draft.data.pipeline import collate_chat, epoch_samples  # noqa: E402
-from titan_draft.data.system_prompt import resolve_system_prompt  # noqa: E402
+from titan_draft.data.chat.system_prompt import resolve_system_prompt  # noqa: E402
 from titan_draft.distributed.parallelize import to_dtype  # noqa: E402
 from titan_draft.distributed.utils import ParallelDims, destroy_distributed, init_distributed  # noqa: E402
 from titan_draft.logger import init_logger, logger  # noqa: E402

@@ -34,13 +34,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from titan_draft.components.cuda_graphs import maybe_graphed  # noqa: E402
-from titan_draft.components.target import load_target  # noqa: E402
-from titan_draft.data.chat_template import resolve_template  # noqa: E402
-from titan_draft.data.prompts import first_query, render_prompt, stop_token_ids  # noqa: E402
-from titan_draft.data.sources import prompt_key, split_rows  # noqa: E402
-from titan_draft.data.system_prompt import resolve_system_prompt  # noqa: E402
-from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
+from titan_draft.distributed.cuda_graphs import maybe_graphed  # noqa: E402
+from titan_draft.features.target import load_target  # noqa: E402
+from titan_draft.data.chat.template import resolve_template  # noqa: E402
+from titan_draft.data.chat.prompts import first_query, render_prompt, stop_token_ids  # noqa: E402
+from titan_draft.data.sources.rows import prompt_key, split_rows  # noqa: E402
+from titan_draft.data.chat.system_prompt import resolve_system_prompt  # noqa: E402
+from titan_draft.data.tokenizer.tokenizer import build_tokenizer  # noqa: E402
 
 
 def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:

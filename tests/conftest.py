@@ -43,7 +43,7 @@ def _built_once(tmp_path_factory, name: str, build: Callable[[str], object]) -> 
 def random_target_dir(tmp_path_factory) -> str:
     """A random-weight debugmodel Qwen3 target written as an HF folder (what
     scripts/write_random_target.py writes for the default job), once per test run."""
-    from titan_draft.components.target import write_random_target
+    from titan_draft.features.target import write_random_target
 
     return os.path.join(_built_once(tmp_path_factory, "targets", lambda p: write_random_target(
         os.path.join(p, "qwen3_debug"))), "qwen3_debug")

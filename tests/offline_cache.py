@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from scripts.prepare_features import prepare
-from titan_draft.components.offline_source import build_offline_dataloader, features_from_batch, load_feature_cache
-from titan_draft.components.target import build_target, build_target_tokenizer, compute_features
+from titan_draft.features.offline import build_offline_dataloader, features_from_batch, load_feature_cache
+from titan_draft.features.target import build_target, build_target_tokenizer, compute_features
 from titan_draft.config import ConfigManager
 from titan_draft.data.pipeline import build_dataloader
 from titan_draft.distributed.utils import destroy_distributed

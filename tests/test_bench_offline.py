@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from scripts.bench_offline import job_overrides, parse_args, report, run_write
-from titan_draft.components.offline_source import build_offline_target, load_feature_cache
-from titan_draft.components.target import build_target_tokenizer
+from titan_draft.features.offline import build_offline_target, load_feature_cache
+from titan_draft.features.target import build_target_tokenizer
 from titan_draft.config import ConfigManager
 from titan_draft.protocols import get_model_spec
 from titan_draft.train import resolve_model_args

@@ -1,4 +1,4 @@
-"""The analytic block-diffusion BlockMask (models/common/block_mask.py) against flex's own
+"""The analytic block-diffusion BlockMask (models/block_diffusion/mask.py) against flex's own
 create_block_mask on the dense grid: the same tiles in the same classes on both the kv side
 (forward, dq) and the q side (dk / dv), the mask a block-sparse kernel would apply from those
 tables, the same attention outputs (also against dense sdpa), the fallback, and the real
@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-import models.common.block_draft as block_draft
-import models.common.block_mask as block_mask
+import models.block_diffusion.draft as block_draft
+import models.block_diffusion.mask as block_mask
 from models.common import dense_mask_from_mask_mod
-from models.common.block_diffusion import make_mask_mod, sample_anchors
-from models.common.block_mask import block_diffusion_block_mask
+from models.block_diffusion.layers import make_mask_mod, sample_anchors
+from models.block_diffusion.mask import block_diffusion_block_mask
 from models.dflash2 import DFlash2Draft, dflash2_flavors
 from titan_draft.protocols.features import TargetFeatures
 

@@ -1,4 +1,4 @@
-"""On CUDA: the analytic flex BlockMasks (models/common/block_mask.py, models/eagle3/block_mask.py)
+"""On CUDA: the analytic flex BlockMasks (models/block_diffusion/mask.py, models/eagle3/block_mask.py)
 drive compiled flex forward and backward exactly as create_block_mask's masks do, for DFlash2
 and EAGLE-3 at shapes that take the analytic path, and agree with dense sdpa. CPU flex has no
 backward and ignores the tile tables, so this is where the q-side tables (backward) are used.
@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-import models.common.block_draft as block_draft
+import models.block_diffusion.draft as block_draft
 import models.eagle3.objective as objective
 from models.common import build_attention_mask
-from models.common.block_diffusion import sample_anchors
+from models.block_diffusion.layers import sample_anchors
 from models.dflash2 import DFlash2Draft, dflash2_flavors
 from models.eagle3 import Eagle3Draft, eagle3_flavors
 from titan_draft.protocols.features import TargetFeatures

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from multiproc import spawn_ranks
-from titan_draft.components.checkpoint import CheckpointManager, TrainState
+from titan_draft.checkpoint.manager import CheckpointManager, TrainState
 from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.optimizer import build_optimizer
 from titan_draft.config.job_config import Checkpoint, LRScheduler, Optimizer

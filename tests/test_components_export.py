@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from titan_draft.components.export import export_draft, load_export
+from titan_draft.checkpoint.export import export_draft, load_export
 
 
 class TinyDraft(nn.Module):

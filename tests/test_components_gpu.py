@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from titan_draft.components.checkpoint import CheckpointManager, TrainState
-from titan_draft.components.export import export_draft, load_export
+from titan_draft.checkpoint.manager import CheckpointManager, TrainState
+from titan_draft.checkpoint.export import export_draft, load_export
 from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.metrics import MetricsLogger
 from titan_draft.components.optimizer import build_optimizer

@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from models.qwen3 import Qwen3Model, qwen3_flavors
-from titan_draft.components.cuda_graphs import (GraphedCapture, GraphedDecoder, can_graph, maybe_graphed,
-                                                 maybe_graphed_capture)
+from models.targets.qwen3 import Qwen3Model, qwen3_flavors
+from titan_draft.distributed.cuda_graphs import GraphedDecoder, can_graph, maybe_graphed
+from titan_draft.features.graphed_capture import GraphedCapture, maybe_graphed_capture
 
 LAYERS = [0, 2, 5]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

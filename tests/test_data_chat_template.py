@@ -8,8 +8,8 @@ exact list of trained text runs.
 import pytest
 import tiktoken
 
-from titan_draft.data.chat_template import Turn, check_template, render_chat
-from titan_draft.data.tokenizer import Tokenizer, build_tokenizer
+from titan_draft.data.chat.template import Turn, check_template, render_chat
+from titan_draft.data.tokenizer.tokenizer import Tokenizer, build_tokenizer
 
 IM_START, IM_END, NL = 151644, 151645, 198
 THINK, END_THINK = 151667, 151668
@@ -301,7 +301,7 @@ def test_template_and_role_errors(tok, llama_tok):
 
 
 def test_auto_template_follows_the_tokenizer(tok, llama_tok):
-    from titan_draft.data.chat_template import resolve_template
+    from titan_draft.data.chat.template import resolve_template
 
     assert resolve_template("auto", tok) == "qwen3"  # ChatML + think tokens
     assert resolve_template("auto", llama_tok) == "llama3"

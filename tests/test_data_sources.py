@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from titan_draft.data.chat_template import Turn
-from titan_draft.data.source_files import _iter_json_list
-from titan_draft.data.sources import (
+from titan_draft.data.chat.template import Turn
+from titan_draft.data.sources.files import _iter_json_list
+from titan_draft.data.sources.rows import (
     BAD_JSON,
     SKIP_REASONS,
     load_rows,
@@ -142,7 +142,7 @@ def test_folder_of_both_row_forms(tmp_path, caplog):
     (tmp_path / "c_openai_lines.json").write_text(lines(_msg_row(i) for i in (4, 5)))
     (tmp_path / "nested").mkdir()  # not read, and said so
     (tmp_path / "nested" / "d.jsonl").write_text(json.dumps(_row(99)) + "\n")
-    with caplog.at_level(logging.INFO, logger="titan_draft.data.source_files"):
+    with caplog.at_level(logging.INFO, logger="titan_draft.data.sources.files"):
         rows, total = load_rows(str(tmp_path))
     assert "subfolders" in caplog.text and "nested" in caplog.text
     assert total == 6 and [r["id"] for r in rows] == list(range(6))

@@ -11,14 +11,14 @@ import random
 import pytest
 
 from test_data_tokenizer_hf import CORPUS, assert_parity, hf_ids, write_json
-from titan_draft.data.hf_tokenizer import (
+from titan_draft.data.tokenizer.hf import (
     GPT2_DIGIT_RUNS_PAT,
     GPT2_DIGITS_PAT,
     GPT2_PAT,
     bytes_to_unicode,
 )
-from titan_draft.data.hf_tokenizer_save import save_hf_tokenizer
-from titan_draft.data.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer.hf_save import save_hf_tokenizer
+from titan_draft.data.tokenizer.tokenizer import build_tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 regex = pytest.importorskip("regex")  # tiktoken's own dependency

@@ -242,7 +242,7 @@ def _scenario_compiled_frozen_capture(rank, mesh):
     FSDP2's unshard hooks to run eagerly) what the unsharded eager target captures."""
     from dataclasses import replace
 
-    from models.qwen3 import Qwen3Model, qwen3_flavors
+    from models.targets.qwen3 import Qwen3Model, qwen3_flavors
 
     args = replace(qwen3_flavors["debugmodel"], vocab_size=97, hidden_size=32, intermediate_size=48, head_dim=8)
     ref = Qwen3Model(args)

@@ -14,14 +14,14 @@ import torch.distributed as dist
 from torch import nn
 
 from multiproc import spawn_ranks, write_rank_result
-from titan_draft.components.checkpoint import CheckpointManager, TrainState
+from titan_draft.checkpoint.manager import CheckpointManager, TrainState
 from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.optimizer import build_optimizer
-from titan_draft.components.resume_guard import build_data_keys
+from titan_draft.checkpoint.resume_guard import build_data_keys
 from titan_draft.config import JobConfig
 from titan_draft.config.job_config import Checkpoint, LRScheduler, Optimizer
 from titan_draft.data.pipeline import build_dataloader
-from titan_draft.data.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer.tokenizer import build_tokenizer
 
 ROWS, SAVED_STEPS, NEXT_STEPS, GLOBAL_BATCH = 16, 3, 6, 4  # the next steps cross into epoch 1
 
@@ -196,7 +196,7 @@ def _read_counts_at(step_dir: str) -> list[int]:
 
     from titan_draft.data.loader_state import find_source_state
     from titan_draft.data.reshard import read_counts
-    from titan_draft.data.source_node import STATE_KEY
+    from titan_draft.data.sources.chat import STATE_KEY
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from functools import partial
 
-from titan_draft.components.export import load_export
+from titan_draft.checkpoint.export import load_export
 from titan_draft.eval import main as eval_main
 from trainer_runs import check_exact_resume, debug_job_argv
 

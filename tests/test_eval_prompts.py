@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from titan_draft.data.chat_template import Turn, render_chat
-from titan_draft.data.prompts import load_eval_prompts, mtbench_questions, render_prompt, stop_token_ids
-from titan_draft.data.sources import load_rows
-from titan_draft.data.tokenizer import build_tokenizer
+from titan_draft.data.chat.template import Turn, render_chat
+from titan_draft.data.chat.prompts import load_eval_prompts, mtbench_questions, render_prompt, stop_token_ids
+from titan_draft.data.sources.rows import load_rows
+from titan_draft.data.tokenizer.tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_stop_tokens(tok):
 
 
 def test_first_query_of_question_only_rows():
-    from titan_draft.data.prompts import first_query
+    from titan_draft.data.chat.prompts import first_query
 
     q = {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "Q1"}]}
     assert first_query(q) == [Turn("system", "S"), Turn("user", "Q1")]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.dflash2 import DFlash2Draft, dflash2_flavors
-from titan_draft.components.export import export_draft, load_export
+from titan_draft.checkpoint.export import export_draft, load_export
 from titan_draft.protocols import TargetFeatures, get_model_spec
 
 V, H = 151936, 64

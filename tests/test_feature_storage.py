@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offline_cache import Paths, job_argv, prepare_cache
-from titan_draft.data.feature_shards import dequantize, quantize, row_features, to_storage, write_shard
+from titan_draft.data.features.shards import dequantize, quantize, row_features, to_storage, write_shard
 
 
 def _e4m3_reference(x: torch.Tensor) -> torch.Tensor:

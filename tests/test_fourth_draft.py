@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_draft.components.export import load_export
+from titan_draft.checkpoint.export import load_export
 from titan_draft.config import ConfigManager
 from titan_draft.distributed.parallelize import parallelize_blocks
 from titan_draft.distributed.utils import destroy_distributed

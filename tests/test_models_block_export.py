@@ -1,4 +1,4 @@
-"""The export path the block-diffusion drafts share (models/common/block_spec.py): a target wider
+"""The export path the block-diffusion drafts share (models/block_diffusion/spec.py): a target wider
 than the draft is written and read back, refused when it is not the target trained for; and
 config.json's Qwen3 part is the same for every such draft."""
 
@@ -11,7 +11,7 @@ import torch
 
 import models.dflash2  # noqa: F401  (registers the specs)
 import models.dspark  # noqa: F401
-from models.common.args import BlockDiffusionArgs
+from models.block_diffusion.args import BlockDiffusionArgs
 from titan_draft.protocols.model_spec import get_model_spec
 
 DRAFTS = ("dflash2", "dspark")

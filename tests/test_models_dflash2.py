@@ -13,7 +13,7 @@ from torch.nn.attention.flex_attention import create_mask
 
 from models.common import dense_mask_from_mask_mod
 from models.dflash2 import DFlash2Draft, dflash2_flavors
-from models.common.block_diffusion import make_mask_mod, sample_anchors
+from models.block_diffusion.layers import make_mask_mod, sample_anchors
 from titan_draft.protocols.features import TargetFeatures
 
 V, H, S, B = 24, 32, 20, 2

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from models.common.block_diffusion import sample_anchors
+from models.block_diffusion.layers import sample_anchors
 from models.dflash2 import DFlash2Draft
 from models.dflash2.conv import GroupedDynamicConv
 from models.dflash2.selector import CandidateSelector

@@ -12,7 +12,7 @@ from models.dflash2.args import dflash2_flavors
 from models.dflash2.export import dflash2_from_export, export_dflash2
 from models.dflash2.model import DFlash2Draft
 from models.dflash2.proposal import DFlashProposer
-from models.qwen3 import Qwen3Model, qwen3_flavors
+from models.targets.qwen3 import Qwen3Model, qwen3_flavors
 from titan_draft.protocols import TargetFeatures
 
 VOCAB, LAYERS = 263, [0, 3, 5]

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from models.common.block_diffusion import sample_anchors
+from models.block_diffusion.layers import sample_anchors
 from models.dspark import DSparkDraft, DSparkProposer, dspark_flavors
 from models.dspark.loss import markov_distill, start_teacher_spans, teacher_spans
 from models.dspark.objective import build_slot_targets

@@ -10,8 +10,8 @@ import torch
 
 from models.common import chunked_cross_entropy
 from models.dflash2 import DFlash2Draft, dflash2_flavors
-from models.common.block_diffusion import sample_anchors
-from models.qwen3 import Qwen3Model, qwen3_flavors
+from models.block_diffusion.layers import sample_anchors
+from models.targets.qwen3 import Qwen3Model, qwen3_flavors
 from titan_draft.protocols.features import TargetFeatures
 
 pytestmark = [

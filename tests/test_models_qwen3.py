@@ -1,4 +1,4 @@
-"""models/qwen3: capture convention, early stop, HF checkpoint loading."""
+"""models/targets/qwen3: capture convention, early stop, HF checkpoint loading."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from models.qwen3 import (
+from models.targets.qwen3 import (
     Qwen3Model,
     hf_key_to_local,
     load_hf_state_dict,

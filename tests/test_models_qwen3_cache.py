@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from models.qwen3 import Qwen3Model, qwen3_flavors
+from models.targets.qwen3 import Qwen3Model, qwen3_flavors
 
 LAYERS = [0, 2, 5]
 

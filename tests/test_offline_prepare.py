@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 
 from offline_cache import job_argv, prepare_cache
-from titan_draft.data.feature_manifest import load_manifest
-from titan_draft.data.feature_writer import ShardWriter
+from titan_draft.data.features.manifest import load_manifest
+from titan_draft.data.features.writer import ShardWriter
 from trainer_runs import torchrun
 
 

@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-import titan_draft.data.feature_writer as feature_writer
-from titan_draft.data.feature_capture import FeatureCopier, _Slot
-from titan_draft.data.feature_manifest import rank_index_path
-from titan_draft.data.feature_writer import ShardWriter, resume_rank
+import titan_draft.data.features.writer as feature_writer
+from titan_draft.data.features.capture import FeatureCopier, _Slot
+from titan_draft.data.features.manifest import rank_index_path
+from titan_draft.data.features.writer import ShardWriter, resume_rank
 
 H = 8
 

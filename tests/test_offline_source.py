@@ -195,7 +195,7 @@ def test_another_dp_size_reads_the_rest_of_the_epoch_once(cache, shuffle):
 
 
 def test_a_feature_position_that_no_new_rank_state_expresses_is_refused():
-    from titan_draft.data.feature_reshard import reshard_feature_position
+    from titan_draft.data.features.reshard import reshard_feature_position
 
     rows = {"a": 2, "b": 2, "c": 2, "d": 2}
     in_order = lambda n, epoch: list(range(n))  # noqa: E731

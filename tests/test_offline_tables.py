@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from titan_draft.components.offline_source import TablesTarget, build_offline_target
-from titan_draft.components.target import build_target, load_target, write_random_target
+from titan_draft.features.offline import TablesTarget, build_offline_target
+from titan_draft.features.target import build_target, load_target, write_random_target
 from titan_draft.config import ConfigManager
 from titan_draft.protocols import target_spec
 

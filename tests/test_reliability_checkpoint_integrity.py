@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from titan_draft.components.checkpoint_integrity import RECORD, verify_checkpoint
+from titan_draft.checkpoint.integrity import RECORD, verify_checkpoint
 from titan_draft.config.job_config import Checkpoint
 from test_components_checkpoint import _assert_same, _manager, _parts, _train
 

@@ -9,9 +9,9 @@ from collections import namedtuple
 
 import pytest
 
-import titan_draft.components.checkpoint_errors as checkpoint_errors
-from titan_draft.components.checkpoint_errors import CheckpointSaveError
-from titan_draft.components.checkpoint_integrity import verify_checkpoint
+import titan_draft.checkpoint.errors as checkpoint_errors
+from titan_draft.checkpoint.errors import CheckpointSaveError
+from titan_draft.checkpoint.integrity import verify_checkpoint
 from titan_draft.config.job_config import Checkpoint
 from test_components_checkpoint import _assert_same, _manager, _parts, _train
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from titan_draft.components.resume_guard import DATA_KEYS
+from titan_draft.checkpoint.resume_guard import DATA_KEYS
 from titan_draft.config import ConfigManager
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.train import Trainer
@@ -61,7 +61,7 @@ def test_changed_data_keys_are_refused_or_explicitly_reset(tmp_path, chat_jsonl,
 
 
 def test_another_split_of_the_same_global_batch_is_not_a_change(tmp_path):
-    from titan_draft.components.resume_guard import check_data_keys, write_data_keys
+    from titan_draft.checkpoint.resume_guard import check_data_keys, write_data_keys
 
     saved = {"data.max_length": 64, "training.local_batch_size": 2, "training.grad_accum_steps": 3,
              "data-parallel ranks": 2}
@@ -82,7 +82,7 @@ def test_another_split_of_the_same_global_batch_is_not_a_change(tmp_path):
 
 
 def test_a_position_saved_before_repeats_of_held_out_prompts_were_left_out_is_refused(tmp_path):
-    from titan_draft.components.resume_guard import build_data_keys, check_data_keys, write_data_keys
+    from titan_draft.checkpoint.resume_guard import build_data_keys, check_data_keys, write_data_keys
 
     def keys(holdout_rows):
         cfg = ConfigManager().parse_args(["--data.holdout_rows", str(holdout_rows)])
@@ -99,7 +99,7 @@ def test_a_position_saved_before_repeats_of_held_out_prompts_were_left_out_is_re
 
 def test_a_refused_resume_is_one_line_from_the_cli(tmp_path, chat_jsonl, random_target_dir, capsys):
     from titan_draft.cli import run_cli
-    from titan_draft.components.resume_guard import ResumeRefusedError
+    from titan_draft.checkpoint.resume_guard import ResumeRefusedError
 
     class Refused:
         stop_line = None

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from titan_draft.components.export import load_export
+from titan_draft.checkpoint.export import load_export
 from titan_draft.config import ConfigManager
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.train import Trainer

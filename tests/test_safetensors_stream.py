@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from titan_draft.data.safetensors_stream import write_safetensors
+from titan_draft.data.features.safetensors_stream import write_safetensors
 
 
 def _tensors():

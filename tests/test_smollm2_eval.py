@@ -15,12 +15,12 @@ from models.dflash2.args import dflash2_flavors
 from models.dflash2.model import DFlash2Draft
 from models.dflash2.proposal import DFlashProposer
 from titan_draft import load_target
-from titan_draft.components.acceptance import evaluate
-from titan_draft.components.export import load_export
-from titan_draft.components.speculative import greedy_decode
+from titan_draft.decoding.acceptance import evaluate
+from titan_draft.checkpoint.export import load_export
+from titan_draft.decoding.speculative import greedy_decode
 from titan_draft.config import ConfigManager
-from titan_draft.data.prompts import load_eval_prompts, stop_token_ids
-from titan_draft.data.tokenizer import build_tokenizer
+from titan_draft.data.chat.prompts import load_eval_prompts, stop_token_ids
+from titan_draft.data.tokenizer.tokenizer import build_tokenizer
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.eval import main as eval_main
 from titan_draft.train import Trainer

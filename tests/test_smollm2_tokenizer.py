@@ -10,8 +10,8 @@ import os
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from titan_draft.data.chat_template import Turn, render_chat, resolve_template
-from titan_draft.data.tokenizer import build_tokenizer
+from titan_draft.data.chat.template import Turn, render_chat, resolve_template
+from titan_draft.data.tokenizer.tokenizer import build_tokenizer
 
 CORPUS = [
     "Hello, world! 👋🏽 Ça va? Größe, naïve café",
@@ -69,12 +69,12 @@ def test_format_and_mask_on_text_with_dropped_bytes(tokenizers):
 def test_draft_args_follow_the_target(smollm2_dir):
     """The smollm2 flavor against the real folder: width and heads fit, RoPE / context / eps
     come from the target, and the mask token is a special token no ChatML turn writes."""
-    from titan_draft.components.target import read_hf_config
+    from titan_draft.features.target import read_hf_config
     from titan_draft.config import ConfigManager
     from titan_draft.protocols import get_model_spec
     from titan_draft.train import resolve_model_args
 
-    from models.llama3 import args_from_hf_config
+    from models.targets.llama3 import args_from_hf_config
 
     target = args_from_hf_config(read_hf_config(smollm2_dir))
     tok = build_tokenizer(smollm2_dir)

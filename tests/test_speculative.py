@@ -11,10 +11,10 @@ import torch
 from models.dflash2.args import dflash2_flavors
 from models.dflash2.model import DFlash2Draft
 from models.dflash2.proposal import DFlashProposer
-from models.qwen3 import Qwen3Model, qwen3_flavors
-from titan_draft.components.acceptance import evaluate
-from titan_draft.components.speculative import compare, greedy_decode, speculative_decode
-from titan_draft.data.prompts import EvalPrompt
+from models.targets.qwen3 import Qwen3Model, qwen3_flavors
+from titan_draft.decoding.acceptance import evaluate
+from titan_draft.decoding.speculative import compare, greedy_decode, speculative_decode
+from titan_draft.data.chat.prompts import EvalPrompt
 
 CPU = torch.device("cpu")
 VOCAB = 257
@@ -80,7 +80,7 @@ def test_tau_of_scripted_drafts(target, right, k):
 def test_greedy_cache_decodes_each_prompt_plainly_once(target, monkeypatch):
     """With a greedy_cache, the first evaluate decodes each prompt plainly and a second reuses
     those decodes (the training evals' frozen target): the same report, no second plain decode."""
-    import titan_draft.components.acceptance as acceptance
+    import titan_draft.decoding.acceptance as acceptance
 
     calls = []
     real = acceptance.greedy_decode

@@ -14,7 +14,7 @@ import torch
 
 from multiproc import spawn_ranks, write_rank_result
 from titan_draft import load_target
-from titan_draft.components.target import write_random_target
+from titan_draft.features.target import write_random_target
 
 # three prompts over two ranks: rank 1 is done after one and must keep stepping with rank 0
 PROMPTS = [[5, 9, 11, 2], [7, 7, 3, 1, 8, 20, 4], [30, 1]]
@@ -24,8 +24,8 @@ def _report(folder: str, mesh=None) -> dict:
     from models.dflash2.args import dflash2_flavors
     from models.dflash2.model import DFlash2Draft
     from models.dflash2.proposal import DFlashProposer
-    from titan_draft.components.acceptance import evaluate
-    from titan_draft.data.prompts import EvalPrompt
+    from titan_draft.decoding.acceptance import evaluate
+    from titan_draft.data.chat.prompts import EvalPrompt
 
     target = load_target(folder, dtype=torch.float32, mesh=mesh)
     args = replace(dflash2_flavors["debugmodel"], vocab_size=target.args.vocab_size, target_layer_ids=[1, 3],

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from titan_draft.components.speculative_sampling import (
+from titan_draft.decoding.sampling import (
     sample_decode,
     speculative_sample,
     tempered_probs,
@@ -166,8 +166,8 @@ def test_temperature_must_be_positive():
 def test_eval_at_temperature_reports_sampling_reproducibly():
     """``evaluate(temperature=T)``: speculative sampling per prompt from its own seed, tau from
     its rounds, no token-for-token lossless claim; the same seed gives the same report."""
-    from titan_draft.components.acceptance import evaluate
-    from titan_draft.data.prompts import EvalPrompt
+    from titan_draft.decoding.acceptance import evaluate
+    from titan_draft.data.chat.prompts import EvalPrompt
 
     prompts = [EvalPrompt(name=f"p{i}", ids=[i % V, (i + 1) % V]) for i in range(3)]
 

@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 
-from titan_draft.components.target import build_target_tokenizer, check_target_config
+from titan_draft.features.target import build_target_tokenizer, check_target_config
 from titan_draft.config import ConfigManager
-from titan_draft.data.hf_tokenizer_save import save_hf_tokenizer
-from titan_draft.data.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer.hf_save import save_hf_tokenizer
+from titan_draft.data.tokenizer.tokenizer import build_tokenizer
 
 
 def _cfg(*argv):
@@ -80,7 +80,7 @@ def test_unusable_targets_are_refused(tmp_path, argv, config, tokenizer, message
 
 
 def test_mask_token_comes_from_the_tokenizer_unless_set():
-    from models.qwen3 import qwen3_flavors
+    from models.targets.qwen3 import qwen3_flavors
     from titan_draft.protocols.model_spec import get_model_spec
     from titan_draft.train import resolve_model_args
 

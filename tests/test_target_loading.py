@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from models.qwen3 import Qwen3Args, Qwen3Model, local_key_to_hf
+from models.targets.qwen3 import Qwen3Args, Qwen3Model, local_key_to_hf
 from multiproc import spawn_ranks, write_rank_result
 from titan_draft import load_target
 
@@ -164,7 +164,7 @@ def _worker(rank: int, port: int, folder: str, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    import models.qwen3.state_dict as sd_mod
+    import models.targets.qwen3.state_dict as sd_mod
 
     def compute():
         dist.init_process_group("gloo")

@@ -74,7 +74,7 @@ def test_capture_and_logits_match_transformers(tmp_path, case):
     torch.testing.assert_close(logits, ref.logits, rtol=1e-4, atol=1e-4)
 
     # the trainer's entry point reads the same folder the same way
-    from titan_draft.components.target import build_target
+    from titan_draft.features.target import build_target
     from titan_draft.config import ConfigManager
 
     bundle = build_target(ConfigManager().parse_args(["--target.path", str(tmp_path)]), torch.device("cpu"), torch.float32)

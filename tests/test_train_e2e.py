@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from titan_draft.components.export import load_export
+from titan_draft.checkpoint.export import load_export
 from titan_draft.config import ConfigManager
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.train import Trainer
@@ -97,7 +97,7 @@ def test_accumulation_divides_by_the_global_denominator(tmp_path, chat_jsonl):
         trainer.train_step(micro)
         got = {n: full_tensor(p.grad) for n, p in trainer.model.named_parameters() if p.requires_grad}
 
-        from titan_draft.components.target import compute_features
+        from titan_draft.features.target import compute_features
 
         outs = [
             reference(compute_features(trainer.target.model, b, trainer.layer_ids, False),
@@ -128,10 +128,10 @@ def llama_target_dir(tmp_path_factory):
     import tiktoken
     from dataclasses import replace
 
-    from models.llama3 import TARGET_FLAVORS
-    from models.qwen3 import Qwen3Model, save_hf_checkpoint
-    from titan_draft.data.hf_tokenizer_save import save_hf_tokenizer
-    from titan_draft.data.tokenizer import Tokenizer, build_tokenizer
+    from models.targets.llama3 import TARGET_FLAVORS
+    from models.targets.qwen3 import Qwen3Model, save_hf_checkpoint
+    from titan_draft.data.tokenizer.hf_save import save_hf_tokenizer
+    from titan_draft.data.tokenizer.tokenizer import Tokenizer, build_tokenizer
 
     qwen = build_tokenizer("qwen3").encoding
     ranks = qwen._mergeable_ranks

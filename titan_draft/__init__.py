@@ -4,6 +4,6 @@ Public entry points: :func:`load_target` (a frozen HF Qwen3 / Llama-3 target tha
 hidden states); training runs through ``titan_draft.train`` (``./run_train.sh``).
 """
 
-from titan_draft.components.target import load_target
+from titan_draft.features.target import load_target
 
 __all__ = ["load_target"]

@@ -13,13 +13,13 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from titan_draft.components.checkpoint_errors import CheckpointSaveError
+from titan_draft.checkpoint.errors import CheckpointSaveError
 from titan_draft.components.nonfinite import NonFiniteError
-from titan_draft.components.offline_source import check_feature_cache
+from titan_draft.features.offline import check_feature_cache
 from titan_draft.components.preflight import check_job_before_loading
-from titan_draft.components.resume_guard import ResumeRefusedError
+from titan_draft.checkpoint.resume_guard import ResumeRefusedError
 from titan_draft.components.run_lock import RunLockError
-from titan_draft.components.target import check_target_config
+from titan_draft.features.target import check_target_config
 from titan_draft.config import ConfigManager, validate_job_config
 from titan_draft.data.worker_errors import DataWorkerError
 from titan_draft.distributed.utils import destroy_distributed

@@ -15,14 +15,14 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from titan_draft.cli import run_cli
-from titan_draft.components.checkpoint import CheckpointManager, TrainState
-from titan_draft.components.export import export_draft, exported_step
+from titan_draft.checkpoint.manager import CheckpointManager, TrainState
+from titan_draft.checkpoint.export import export_draft, exported_step
 from titan_draft.components.float8 import Float8Converter
 from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.metrics import LogWindow, MetricsLogger, StepSums, get_peak_flops, metric_ratios
 from titan_draft.components.model_args import resolve_model_args
 from titan_draft.components.nonfinite import build_nonfinite_guard
-from titan_draft.components.offline_source import (
+from titan_draft.features.offline import (
     build_features_fn,
     build_offline_dataloader,
     build_offline_target,
@@ -31,17 +31,17 @@ from titan_draft.components.offline_source import (
 )
 from titan_draft.components.optimizer import build_optimizer
 from titan_draft.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
-from titan_draft.components.resume_guard import build_data_keys
+from titan_draft.checkpoint.resume_guard import build_data_keys
 from titan_draft.components.run_info import build_run_info
 from titan_draft.components.run_lock import maybe_acquire_run_lock
 from titan_draft.components.signals import maybe_handle_stop_signals
 from titan_draft.components.validation import Validator
-from titan_draft.components.target import build_target, build_target_tokenizer
+from titan_draft.features.target import build_target, build_target_tokenizer
 from titan_draft.config import write_job_config
 from titan_draft.config.job_config import JobConfig
-from titan_draft.data.chat_template import resolve_template
+from titan_draft.data.chat.template import resolve_template
 from titan_draft.data.pipeline import build_dataloader, epoch_samples
-from titan_draft.data.system_prompt import resolve_system_prompt
+from titan_draft.data.chat.system_prompt import resolve_system_prompt
 from titan_draft.distributed.parallelize import to_dtype
 from titan_draft.distributed.utils import (
     ParallelDims,
@@ -49,7 +49,8 @@ from titan_draft.distributed.utils import (
     set_pg_timeout,
     set_seed,
 )
-from titan_draft.eval import Evaluator, report_scalars, save_model_args
+from titan_draft.checkpoint.model_args import save_model_args
+from titan_draft.decoding.evaluator import Evaluator, report_scalars
 from titan_draft.logger import logger
 from titan_draft.protocols import PrepareContext, get_model_spec
 

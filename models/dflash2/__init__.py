@@ -1,6 +1,6 @@
 """DFlash2 draft (and plain DFlash via the dflash_* flavors); registers ModelSpec ``dflash2``."""
 
-from models.common.block_spec import reserved_tokens, resolved_capture_layers
+from models.block_diffusion.spec import reserved_tokens, resolved_capture_layers
 from models.dflash2.args import DFlash2Args, capture_layers, dflash2_flavors, update_dflash2_args
 from models.dflash2.export import dflash2_from_export, export_dflash2
 from models.dflash2.flops import dflash2_flops

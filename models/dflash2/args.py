@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from models.common.args import BlockDiffusionArgs
-from models.common.block_spec import block_capture_layers as capture_layers
-from models.common.block_spec import update_block_args
+from models.block_diffusion.args import BlockDiffusionArgs
+from models.block_diffusion.spec import block_capture_layers as capture_layers
+from models.block_diffusion.spec import update_block_args
 
 
 @dataclass

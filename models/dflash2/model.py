@@ -1,4 +1,4 @@
-"""DFlash2 draft: the block-diffusion backbone (models/common/block_draft.py) + grouped dynamic
+"""DFlash2 draft: the block-diffusion backbone (models/block_diffusion/draft.py) + grouped dynamic
 convolutions + candidate selector; plain DFlash with both off.
 
 Parameter FQNs are exactly the serving names of SGLang's ``DFlash2DraftModel`` /
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from models.common.block_diffusion import BlockDecoderLayer, Rope, sample_anchors
-from models.common.block_draft import BlockDiffusionDraft
+from models.block_diffusion.layers import BlockDecoderLayer, Rope, sample_anchors
+from models.block_diffusion.draft import BlockDiffusionDraft
 from models.dflash2.args import DFlash2Args
 from models.dflash2.conv import GroupedDynamicConv
 from models.dflash2.objective import dflash_objective

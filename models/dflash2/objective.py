@@ -1,4 +1,4 @@
-"""DFlash / DFlash2 loss and metrics over the backbone's blocks (models/common/block_diffusion.py).
+"""DFlash / DFlash2 loss and metrics over the backbone's blocks (models/block_diffusion/layers.py).
 
 Slot 0 of a block holds the anchor token (the last committed token) and is not supervised; slot
 k >= 1 predicts ``x[a_n + k]`` with weight ``exp(-(k - 1) / gamma)``.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from models.common import chunked_cross_entropy
-from models.common.block_diffusion import DraftBlocks
+from models.block_diffusion.layers import DraftBlocks
 from titan_draft.protocols.features import DraftOutput
 
 

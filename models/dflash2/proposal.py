@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from models.common import transform_logits
-from models.common.block_decoder import BlockDecoder
+from models.block_diffusion.decoder import BlockDecoder
 from models.dflash2.model import DFlash2Draft
 
 

@@ -1,7 +1,7 @@
 """DSpark draft (block diffusion with the anchor slot predicting, a Markov head and a confidence
 head); registers ModelSpec ``dspark``."""
 
-from models.common.block_spec import reserved_tokens, resolved_capture_layers
+from models.block_diffusion.spec import reserved_tokens, resolved_capture_layers
 from models.dspark.args import DSparkArgs, dspark_flavors, update_dspark_args
 from models.dspark.export import dspark_from_export, export_dspark
 from models.dspark.flops import dspark_flops

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.common.args import BlockDiffusionArgs
-from models.common.block_spec import update_block_args
+from models.block_diffusion.args import BlockDiffusionArgs
+from models.block_diffusion.spec import update_block_args
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 

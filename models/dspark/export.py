@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from models.common.block_spec import backbone_config, backbone_fields, backbone_shapes, check_block_export
+from models.block_diffusion.spec import backbone_config, backbone_fields, backbone_shapes, check_block_export
 from models.common.serving import check_serving_tensors
 from models.dspark.args import DSparkArgs
 

@@ -1,4 +1,4 @@
-"""DSpark draft: the block-diffusion backbone (models/common/block_draft.py, DFlash's layers) with
+"""DSpark draft: the block-diffusion backbone (models/block_diffusion/draft.py, DFlash's layers) with
 the anchor slot predicting, a Markov head and a confidence head (heads.py), trained by
 objective.py.
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from models.common.block_diffusion import BlockDecoderLayer, sample_anchors
-from models.common.block_draft import BlockDiffusionDraft
+from models.block_diffusion.layers import BlockDecoderLayer, sample_anchors
+from models.block_diffusion.draft import BlockDiffusionDraft
 from models.dspark.args import DSparkArgs
 from models.dspark.heads import ConfidenceHead, MarkovHead
 from models.dspark.objective import dspark_objective, early_slot_targets

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from models.common.block_diffusion import DraftBlocks
+from models.block_diffusion.layers import DraftBlocks
 from models.dspark.loss import markov_distill, start_teacher_spans
 from titan_draft.protocols.features import DraftOutput
 

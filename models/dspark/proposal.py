@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from models.common.block_decoder import BlockDecoder
+from models.block_diffusion.decoder import BlockDecoder
 from models.dspark.model import DSparkDraft
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from models.common.block_mask import block_mask_from_tiles
+from models.common.tile_mask import block_mask_from_tiles
 
 
 def _covered(seq_len: int, block_size: int) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from models.eagle3.args import Eagle3Args
 from models.eagle3.vocab import build_draft_vocab, count_loss_tokens, load_draft_vocab, save_draft_vocab
-from titan_draft.data.system_prompt import resolve_system_prompt
+from titan_draft.data.chat.system_prompt import resolve_system_prompt
 
 logger = logging.getLogger(__name__)
 

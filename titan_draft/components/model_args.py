@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from titan_draft.config.job_config import JobConfig
-from titan_draft.data.chat_template import resolve_template
+from titan_draft.data.chat.template import resolve_template
 from titan_draft.protocols import ArgsContext
 
 

@@ -36,7 +36,7 @@ def _check_draft(cfg) -> None:
 def _check_capture_layers(cfg) -> None:
     if not (cfg.target.path and cfg.target.capture_layers):
         return
-    from titan_draft.components.target import read_hf_config
+    from titan_draft.features.target import read_hf_config
 
     layers = read_hf_config(cfg.target.path).get("num_hidden_layers")
     bad = [i for i in cfg.target.capture_layers if layers is not None and i >= layers]
@@ -46,7 +46,7 @@ def _check_capture_layers(cfg) -> None:
 
 
 def _is_file_source(source: str) -> bool:
-    from titan_draft.data.synthetic_source import is_synthetic_source
+    from titan_draft.data.sources.synthetic import is_synthetic_source
 
     return source != "sharegpt" and not is_synthetic_source(source)
 
@@ -73,11 +73,11 @@ def _check_rows(cfg) -> None:
         return
     if not os.path.exists(os.path.expanduser(d.source)):
         raise ValueError(f"data.source: {d.source!r} does not exist (expected 'sharegpt' or a path)")
-    from titan_draft.components.target import build_target_tokenizer
-    from titan_draft.data.chat_template import resolve_template
-    from titan_draft.data.source_node import ChatSourceNode
-    from titan_draft.data.sources import load_rows
-    from titan_draft.data.system_prompt import resolve_system_prompt
+    from titan_draft.features.target import build_target_tokenizer
+    from titan_draft.data.chat.template import resolve_template
+    from titan_draft.data.sources.chat import ChatSourceNode
+    from titan_draft.data.sources.rows import load_rows
+    from titan_draft.data.chat.system_prompt import resolve_system_prompt
 
     tokenizer = build_target_tokenizer(cfg, 0)  # cached: the trainer gets the same one
     try:
@@ -85,7 +85,7 @@ def _check_rows(cfg) -> None:
     except ValueError as e:
         raise ValueError(f"data.chat_template: {e}") from None
     probe = min(d.max_rows, PROBE_ROWS) if d.max_rows else PROBE_ROWS
-    with _quiet("titan_draft.data.source_files", "titan_draft.data.source_report"):
+    with _quiet("titan_draft.data.sources.files", "titan_draft.data.sources.report"):
         rows, total = load_rows(d.source, max_rows=probe, skip_rows=d.holdout_rows)
     node = ChatSourceNode(rows, tokenizer, template=template, max_length=d.max_length, seed=0, shuffle=False,
                           system_prompt=resolve_system_prompt(d.system_prompt, tokenizer, template),

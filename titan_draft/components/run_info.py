@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from titan_draft.data.system_prompt import resolve_system_prompt
+from titan_draft.data.chat.system_prompt import resolve_system_prompt
 from titan_draft.distributed.parallelize import mixed_precision_dtypes
 
 

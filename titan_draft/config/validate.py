@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from titan_draft.config.job_config import JobConfig
-from titan_draft.data.chat_template import SUPPORTED_TEMPLATES
+from titan_draft.data.chat.template import SUPPORTED_TEMPLATES
 
 logger = logging.getLogger(__name__)
 

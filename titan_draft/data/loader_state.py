@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 import torchdata.nodes as tn
 
-from titan_draft.data.sources import SKIP_REASONS
+from titan_draft.data.sources.rows import SKIP_REASONS
 from titan_draft.data.worker_errors import ForwardErrorsNode
 from titan_draft.logger import logger
 

@@ -16,14 +16,14 @@ from typing import Any, Optional
 import torch
 import torchdata.nodes as tn
 
-from titan_draft.data.chat_template import check_template, resolve_template
+from titan_draft.data.chat.template import check_template, resolve_template
 from titan_draft.data.loader_state import RankStateLoader
 from titan_draft.data.reshard import reshard_position
-from titan_draft.data.source_node import STATE_KEY, ChatSourceNode, Sample
-from titan_draft.data.sources import split_rows
-from titan_draft.data.synthetic_source import build_synthetic_source, is_synthetic_source
-from titan_draft.data.system_prompt import resolve_system_prompt
-from titan_draft.data.tokenizer import Tokenizer
+from titan_draft.data.sources.chat import STATE_KEY, ChatSourceNode, Sample
+from titan_draft.data.sources.rows import split_rows
+from titan_draft.data.sources.synthetic import build_synthetic_source, is_synthetic_source
+from titan_draft.data.chat.system_prompt import resolve_system_prompt
+from titan_draft.data.tokenizer.tokenizer import Tokenizer
 from titan_draft.data.worker_errors import ForwardErrorsNode
 
 __all__ = ["ChatDataLoader", "build_dataloader", "collate_chat", "epoch_samples"]

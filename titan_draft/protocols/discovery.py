@@ -1,5 +1,6 @@
 """Finding registered drafts and target families without naming them: every package under
-``models`` registers its specs when imported, so a lookup that misses imports them all once."""
+``models`` (drafts) and ``models.targets`` (target families) registers its specs when imported, so
+a lookup that misses imports them all once."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ _done = False
 
 
 def import_model_packages() -> None:
-    """Import every package under ``models`` (once per process)."""
+    """Import every package under ``models`` and ``models.targets`` (once per process)."""
     global _done
     if _done:
         return
@@ -20,3 +21,8 @@ def import_model_packages() -> None:
     for info in pkgutil.iter_modules(models.__path__):
         if info.ispkg:
             importlib.import_module(f"models.{info.name}")
+    import models.targets
+
+    for info in pkgutil.iter_modules(models.targets.__path__):
+        if info.ispkg:
+            importlib.import_module(f"models.targets.{info.name}")

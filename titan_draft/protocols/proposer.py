@@ -1,6 +1,6 @@
 """How a draft proposes tokens while a real target decodes: the contract of the true-τ eval.
 
-The eval (``titan_draft/components/speculative.py``) owns the target and the verification; a draft
+The eval (``titan_draft/decoding/speculative.py``) owns the target and the verification; a draft
 only says which tokens it would draft next. It learns the committed text (and the target's
 capture-layer features of it) through ``commit`` and drafts through ``propose``. Capture layers,
 mask token, block size and slot convention are the draft's own args, the ones it was trained

@@ -1,0 +1,51 @@
+"""A trained draft read back for decoding: from an export folder (the serving contract) or a DCP step
+folder (with its dump folder's ``model_args.json`` and ``run_info.json``)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from titan_draft.checkpoint.export import PROVENANCE_NAME, load_export
+from titan_draft.checkpoint.model_args import MODEL_ARGS_NAME
+from titan_draft.protocols import get_model_spec
+
+RUN_INFO_NAME = "run_info.json"
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--draft: cannot read {path}: {e}") from None
+
+
+def load_draft_source(path: str, name: str | None) -> tuple:
+    """``(spec, args, state_dict, run_info)`` of an export folder or a DCP step folder."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        tensors, config = load_export(path)
+        prov_path = os.path.join(path, PROVENANCE_NAME)
+        run = _read_json(prov_path).get("run", {}) if os.path.isfile(prov_path) else {}
+        name = name or run.get("draft", "").split("/")[0]
+        if not name:
+            raise ValueError(f"--draft: {path} has no {PROVENANCE_NAME} naming its draft; pass --draft-name")
+        spec = get_model_spec(name)
+        if spec.from_export_fn is None:
+            raise ValueError(f"draft {name!r} cannot be read back from an export")
+        args, state = spec.from_export_fn(tensors, config)
+        return spec, args, state, run
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        import torch.distributed.checkpoint as dcp
+
+        dump = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        run = _read_json(os.path.join(dump, RUN_INFO_NAME))
+        spec = get_model_spec(name or run["draft"].split("/")[0])
+        fields = _read_json(os.path.join(dump, MODEL_ARGS_NAME))
+        args = type(next(iter(spec.flavors.values())))(**fields)
+        model = spec.model_cls(args)
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        return spec, args, state["model"], run
+    raise ValueError(f"--draft: {path!r} is neither an export folder (config.json) nor a DCP "
+                     "checkpoint folder (.metadata)")

@@ -1,0 +1,1 @@
+"""The offline feature cache: shard format, manifest, writer, reader pipeline."""

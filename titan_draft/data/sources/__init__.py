@@ -1,0 +1,1 @@
+"""Where training rows come from: chat files, the packaged ShareGPT, synthetic rows."""

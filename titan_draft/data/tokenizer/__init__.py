@@ -1,0 +1,1 @@
+"""The target's tokenizer on tiktoken, read from HF tokenizer files."""
