@@ -131,25 +131,23 @@ def run_write(a) -> dict:
     from titan_draft.features.synthetic import build_synthetic_target
     from titan_draft.features.target import build_target_tokenizer
     from titan_draft.config import ConfigManager
-    from titan_draft.data.chat.template import resolve_template
+    from titan_draft.data.chat.format import build_chat_format
     from titan_draft.data.features.manifest import MANIFEST, job_facts, write_json_atomic
     from titan_draft.data.features.shards import FORMAT, row_features, to_storage
     from titan_draft.data.features.writer import ShardWriter
     from titan_draft.data.sources.synthetic import build_synthetic_source
-    from titan_draft.data.chat.system_prompt import resolve_system_prompt
     from titan_draft.protocols import get_model_spec
-    from titan_draft.train import resolve_model_args
+    from titan_draft.components.model_args import resolve_model_args
 
     cfg = ConfigManager().parse_args(job_overrides(a, "offline"))
     spec = get_model_spec(cfg.model.name)
     target = build_synthetic_target(cfg, torch.device("cpu"), torch.bfloat16)
     tok = build_target_tokenizer(cfg, target.args.vocab_size)
-    args = resolve_model_args(spec, cfg, target.args, tok)
+    chat = build_chat_format(cfg.data, tok)
+    args = resolve_model_args(spec, cfg, target.args, tok, chat)
     layers = sorted(set(spec.capture_layers_fn(args)))
     reserved = list(spec.reserved_tokens_fn(args)) if spec.reserved_tokens_fn else []
-    template = resolve_template(cfg.data.chat_template, tok)
-    facts = job_facts(cfg, target.args, tok, template, resolve_system_prompt(cfg.data.system_prompt, tok, template),
-                      layers, spec.needs_last_hidden, reserved)
+    facts = job_facts(cfg, target.args, tok, chat, layers, spec.needs_last_hidden, reserved)
     out = cfg.data.feature_cache
     os.makedirs(out, exist_ok=True)
     h = target.args.hidden_size

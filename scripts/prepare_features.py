@@ -35,18 +35,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from titan_draft.features.target import build_target, build_target_tokenizer, check_target_config  # noqa: E402
 from titan_draft.config import ConfigManager, validate_job_config  # noqa: E402
-from titan_draft.data.chat.template import resolve_template  # noqa: E402
+from titan_draft.data.chat.format import build_chat_format  # noqa: E402
 from titan_draft.data.features.capture import FeatureCopier  # noqa: E402
 from titan_draft.data.features.manifest import MANIFEST, job_facts, read_rank_index, write_json_atomic  # noqa: E402
 from titan_draft.data.features.shards import FORMAT, STORAGE_DTYPES, row_features, stored_dtype, to_storage  # noqa: E402
 from titan_draft.data.features.writer import ShardWriter, resume_rank  # noqa: E402
 from titan_draft.data.pipeline import collate_chat, epoch_samples  # noqa: E402
-from titan_draft.data.chat.system_prompt import resolve_system_prompt  # noqa: E402
 from titan_draft.distributed.parallelize import to_dtype  # noqa: E402
 from titan_draft.distributed.utils import ParallelDims, destroy_distributed, init_distributed  # noqa: E402
 from titan_draft.logger import init_logger, logger  # noqa: E402
 from titan_draft.protocols import get_model_spec  # noqa: E402
-from titan_draft.train import resolve_model_args  # noqa: E402
+from titan_draft.components.model_args import resolve_model_args  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -102,9 +101,9 @@ def bytes_per_token(num_layers: int, hidden_size: int, storage: str) -> float:
     return num_layers * (hidden_size * width + scale) + 4 + 1
 
 
-def _estimate(cfg, tokenizer, reserved, layer_ids, need_last, storage, hidden_size, rank, world, device) -> dict:
+def _estimate(cfg, tokenizer, chat, reserved, layer_ids, need_last, storage, hidden_size, rank, world, device) -> dict:
     rows = tokens = 0
-    for ids, _ in epoch_samples(cfg.data, tokenizer, dp_rank=rank, dp_world=world, seed=cfg.training.seed,
+    for ids, _ in epoch_samples(cfg.data, tokenizer, chat=chat, dp_rank=rank, dp_world=world, seed=cfg.training.seed,
                                 reserved_ids=frozenset(reserved)):
         rows += 1
         tokens += len(ids)
@@ -185,16 +184,14 @@ def prepare(argv: list[str]) -> dict:
     spec = get_model_spec(cfg.model.name)
     target = build_target(cfg, device, to_dtype(target_dtype), mesh=mesh)
     tokenizer = build_target_tokenizer(cfg, target.args.vocab_size)
-    model_args = resolve_model_args(spec, cfg, target.args, tokenizer)
+    chat = build_chat_format(cfg.data, tokenizer)
+    model_args = resolve_model_args(spec, cfg, target.args, tokenizer, chat)
     layer_ids = sorted(set(spec.capture_layers_fn(model_args)))
     need_last = spec.needs_last_hidden or a.last_hidden
     reserved = list(spec.reserved_tokens_fn(model_args)) if spec.reserved_tokens_fn is not None else []
-    template = resolve_template(cfg.data.chat_template, tokenizer)
-    facts = job_facts(cfg, target.args, tokenizer, template,
-                      resolve_system_prompt(cfg.data.system_prompt, tokenizer, template),
-                      layer_ids, need_last, reserved)
+    facts = job_facts(cfg, target.args, tokenizer, chat, layer_ids, need_last, reserved)
     if a.estimate:
-        return _estimate(cfg, tokenizer, reserved, layer_ids, need_last, a.storage, target.args.hidden_size, rank,
+        return _estimate(cfg, tokenizer, chat, reserved, layer_ids, need_last, a.storage, target.args.hidden_size, rank,
                          world, device)
     meta = {"format": FORMAT, "complete": False, "storage": a.storage, "prepare_world": world,
             "target_dtype": target_dtype, "draft": cfg.model.name, "facts": facts}
@@ -211,7 +208,7 @@ def prepare(argv: list[str]) -> dict:
                          writers=a.writers)
     logger.info(f"prepare: rank {rank}/{world}, capture layers {layer_ids}, last_hidden {need_last}, storage "
                 f"{a.storage}, {len(done)} shards ({skip} rows) already done")
-    samples = epoch_samples(cfg.data, tokenizer, dp_rank=rank, dp_world=world, seed=cfg.training.seed,
+    samples = epoch_samples(cfg.data, tokenizer, chat=chat, dp_rank=rank, dp_world=world, seed=cfg.training.seed,
                             reserved_ids=frozenset(reserved))
     for _ in range(skip):
         next(samples, None)

@@ -36,11 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from titan_draft.distributed.cuda_graphs import maybe_graphed  # noqa: E402
 from titan_draft.features.target import load_target  # noqa: E402
-from titan_draft.data.chat.template import resolve_template  # noqa: E402
+from titan_draft.data.chat.format import resolve_chat_format  # noqa: E402
 from titan_draft.data.chat.prompts import first_query, render_prompt, stop_token_ids  # noqa: E402
 from titan_draft.data.sources.rows import prompt_key, split_rows  # noqa: E402
-from titan_draft.data.chat.system_prompt import resolve_system_prompt  # noqa: E402
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer  # noqa: E402
+from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
 
 
 def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
@@ -178,14 +177,14 @@ def main(argv=None) -> None:
     dtype = getattr(torch, a.dtype) if device.type == "cuda" else torch.float32
     try:
         tokenizer = build_tokenizer(a.target)
-        template = resolve_template(a.chat_template, tokenizer)
-        system_prompt = resolve_system_prompt(a.system_prompt, tokenizer, template)
+        chat = resolve_chat_format(tokenizer, template=a.chat_template, system_prompt=a.system_prompt,
+                                   enable_thinking=a.enable_thinking == "true", key="--chat-template")
+        template, system_prompt, thinking = chat.template, chat.system_prompt, chat.enable_thinking
         split = split_rows(a.source, max_rows=a.num_prompts, skip_rows=a.skip_rows)
     except ValueError as e:
         raise SystemExit(f"regenerate_data: error: {e}") from None
     target = maybe_graphed(load_target(a.target, dtype=dtype, device=device), device, not a.no_cuda_graphs)
     stops = stop_token_ids(tokenizer, template)
-    thinking = a.enable_thinking == "true"
     os.makedirs(os.path.join(a.out, "meta"), exist_ok=True)
     name = f"{a.tag}-{rank:05d}" if a.tag else f"{rank:05d}"
     part = os.path.join(a.out, f"part-{name}.jsonl")

@@ -6,13 +6,14 @@ from __future__ import annotations
 import torch
 
 from scripts.prepare_features import prepare
-from titan_draft.features.offline import build_offline_dataloader, features_from_batch, load_feature_cache
+from titan_draft.data.chat.format import build_chat_format
+from titan_draft.features.offline import features_from_batch, load_feature_cache
 from titan_draft.features.target import build_target, build_target_tokenizer, compute_features
 from titan_draft.config import ConfigManager
 from titan_draft.data.pipeline import build_dataloader
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.protocols import get_model_spec
-from titan_draft.train import resolve_model_args
+from titan_draft.components.model_args import resolve_model_args
 from trainer_runs import REPO, debug_job_argv  # noqa: F401  (REPO: the tests import it from here)
 
 
@@ -48,7 +49,8 @@ class Paths:
         self.spec = get_model_spec(cfg.model.name)
         self.target = build_target(cfg, torch.device("cpu"), torch.float32)
         self.tokenizer = build_target_tokenizer(cfg, self.target.args.vocab_size)
-        args = resolve_model_args(self.spec, cfg, self.target.args, self.tokenizer)
+        self.chat = build_chat_format(cfg.data, self.tokenizer)
+        args = resolve_model_args(self.spec, cfg, self.target.args, self.tokenizer, self.chat)
         self.layer_ids = list(self.spec.capture_layers_fn(args))
         fn = self.spec.reserved_tokens_fn
         self.reserved = list(fn(args)) if fn is not None else []
@@ -66,12 +68,13 @@ class Paths:
         cfg.data.feature_cache = cache
         if shuffle is not None:
             cfg.data.shuffle = shuffle
-        manifest = load_feature_cache(cfg, self.target, self.tokenizer, layer_ids=self.layer_ids,
-                                      need_last_hidden=self.spec.needs_last_hidden, reserved_ids=self.reserved,
-                                      dp_rank=dp_rank, dp_world=dp_world)
-        return build_offline_dataloader(cfg, manifest, self.tokenizer, layer_ids=self.layer_ids,
-                                        need_last_hidden=self.spec.needs_last_hidden, dp_rank=dp_rank,
-                                        dp_world=dp_world, pad_multiple=1)
+        load_feature_cache(cfg, self.target, self.tokenizer, self.chat, layer_ids=self.layer_ids,
+                           need_last_hidden=self.spec.needs_last_hidden, reserved_ids=self.reserved,
+                           dp_rank=dp_rank, dp_world=dp_world)
+        t = cfg.training
+        return build_dataloader(cfg.data, self.tokenizer, chat=self.chat, dp_rank=dp_rank, dp_world=dp_world,
+                                local_batch_size=t.local_batch_size, seed=t.seed, static_shapes=t.static_shapes,
+                                layer_ids=self.layer_ids, need_last_hidden=self.spec.needs_last_hidden)
 
     @staticmethod
     def features(batch):

@@ -14,7 +14,8 @@ from titan_draft.features.offline import build_offline_target, load_feature_cach
 from titan_draft.features.target import build_target_tokenizer
 from titan_draft.config import ConfigManager
 from titan_draft.protocols import get_model_spec
-from titan_draft.train import resolve_model_args
+from titan_draft.components.model_args import resolve_model_args
+from titan_draft.data.chat.format import build_chat_format
 
 
 def test_bench_cache_passes_the_trainers_checks(tmp_path):
@@ -27,8 +28,9 @@ def test_bench_cache_passes_the_trainers_checks(tmp_path):
     spec = get_model_spec(cfg.model.name)
     target = build_offline_target(cfg, torch.device("cpu"), torch.float32)
     tok = build_target_tokenizer(cfg, target.args.vocab_size)
-    args = resolve_model_args(spec, cfg, target.args, tok)
-    manifest = load_feature_cache(cfg, target, tok, layer_ids=spec.capture_layers_fn(args),
+    chat = build_chat_format(cfg.data, tok)
+    args = resolve_model_args(spec, cfg, target.args, tok, chat)
+    manifest = load_feature_cache(cfg, target, tok, chat, layer_ids=spec.capture_layers_fn(args),
                                   need_last_hidden=spec.needs_last_hidden, reserved_ids=spec.reserved_tokens_fn(args),
                                   dp_rank=0, dp_world=1)
     assert manifest["rows"] == w["rows"]

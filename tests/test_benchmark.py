@@ -21,7 +21,7 @@ from titan_draft.features.target import build_target
 from titan_draft.config import ConfigManager
 from titan_draft.data.pipeline import build_dataloader
 from titan_draft.data.sources.synthetic import SyntheticSourceNode, synthetic_sample
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "benchmark.py")

@@ -9,7 +9,7 @@ import pytest
 import tiktoken
 
 from titan_draft.data.chat.template import Turn, check_template, render_chat
-from titan_draft.data.tokenizer.tokenizer import Tokenizer, build_tokenizer
+from titan_draft.data.tokenizer import Tokenizer, build_tokenizer
 
 IM_START, IM_END, NL = 151644, 151645, 198
 THINK, END_THINK = 151667, 151668

@@ -11,7 +11,7 @@ from titan_draft.config.job_config import Data
 from titan_draft.config import ConfigError, JobConfig, validate_job_config
 from titan_draft.data.pipeline import build_dataloader, collate_chat
 from titan_draft.data.sources.rows import SKIP_REASONS
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 
 PAD = 151643
 

@@ -10,7 +10,7 @@ import pytest
 from titan_draft.config.job_config import Data
 from titan_draft.data.pipeline import build_dataloader
 from titan_draft.data.reshard import reshard_position
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import threading
 from titan_draft.config import ConfigManager
 from titan_draft.config.job_config import Data
 from titan_draft.data.pipeline import build_dataloader
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.train import Trainer
 from reliability_runs import job_args
 

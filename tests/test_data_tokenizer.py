@@ -2,7 +2,7 @@
 
 import pytest
 
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 
 from test_data_tokenizer_hf import tiny_json, write_json
 from titan_draft.data.tokenizer.hf_save import save_hf_tokenizer
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 
 # SmolLM2-135M-Instruct's template (it inserts a default system prompt).
 SMOL_TEMPLATE = (

@@ -18,7 +18,7 @@ from titan_draft.data.tokenizer.hf import (
     bytes_to_unicode,
 )
 from titan_draft.data.tokenizer.hf_save import save_hf_tokenizer
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 regex = pytest.importorskip("regex")  # tiktoken's own dependency

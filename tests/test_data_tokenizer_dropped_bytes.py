@@ -15,7 +15,7 @@ from test_data_tokenizer_digits import DIGIT_CORPUS, FUZZ_ALPHABET, fuzz_texts, 
 from test_data_tokenizer_hf import CORPUS, _write_ranks, hf_ids, tiny_json, write_json
 from titan_draft.data.chat.template import render_chat
 from titan_draft.data.tokenizer.hf_save import save_hf_tokenizer
-from titan_draft.data.tokenizer.tokenizer import Tokenizer, build_tokenizer
+from titan_draft.data.tokenizer import Tokenizer, build_tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -17,7 +17,7 @@ import pytest
 
 from titan_draft.data.tokenizer.hf import GPT2_PAT, LLAMA3_PAT, bytes_to_unicode
 from titan_draft.data.tokenizer.hf_save import save_hf_tokenizer
-from titan_draft.data.tokenizer.tokenizer import Tokenizer, build_tokenizer
+from titan_draft.data.tokenizer import Tokenizer, build_tokenizer
 
 ACCENTED = "Café naïve résumé Ångström São Paulo Đà Nẵng Ελληνικά ñandú"
 CORPUS = [

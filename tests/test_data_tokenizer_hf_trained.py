@@ -12,7 +12,7 @@ import pytest
 from test_data_tokenizer_hf import CORPUS, _same_encoding, assert_parity, write_json
 from titan_draft.data.tokenizer.hf import GPT2_PAT, LLAMA3_PAT, QWEN_PAT
 from titan_draft.data.tokenizer.hf_save import derive_merges, save_hf_tokenizer
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 
 # ---------------------------------------------------------------------------------------------
 # BPEs trained by HF tokenizers: tokenizer.json -> ours, and ours -> tokenizer.json.

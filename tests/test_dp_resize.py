@@ -20,8 +20,9 @@ from titan_draft.components.optimizer import build_optimizer
 from titan_draft.checkpoint.resume_guard import build_data_keys
 from titan_draft.config import JobConfig
 from titan_draft.config.job_config import Checkpoint, LRScheduler, Optimizer
+from titan_draft.data.chat.format import ChatFormat
 from titan_draft.data.pipeline import build_dataloader
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 
 ROWS, SAVED_STEPS, NEXT_STEPS, GLOBAL_BATCH = 16, 3, 6, 4  # the next steps cross into epoch 1
 
@@ -72,7 +73,8 @@ def _parts(cfg: JobConfig, tok, seed: int):
 
 def _manager(folder: str, cfg: JobConfig, parts) -> CheckpointManager:
     model, opt, sched, dl, state = parts
-    keys = build_data_keys(cfg, chat_template="chatml", system_prompt="", dp_world=dist.get_world_size())
+    chat = ChatFormat("chatml", "", cfg.data.enable_thinking, cfg.data.last_turn_only)
+    keys = build_data_keys(cfg, chat=chat, dp_world=dist.get_world_size())
     return CheckpointManager(Checkpoint(interval=1), folder, model=model, optimizer=opt, lr_scheduler=sched,
                              dataloader=dl, train_state=state, dp_rank=dist.get_rank(),
                              dp_world=dist.get_world_size(), data_keys=keys)

@@ -14,7 +14,7 @@ from models.eagle3.vocab import count_loss_tokens
 from titan_draft.checkpoint.export import load_export
 from titan_draft.config import ConfigManager
 from titan_draft.data.pipeline import epoch_samples
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.eval import main as eval_main
 from trainer_runs import check_exact_resume, debug_job_argv, run_training
 

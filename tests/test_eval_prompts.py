@@ -10,7 +10,7 @@ import pytest
 from titan_draft.data.chat.template import Turn, render_chat
 from titan_draft.data.chat.prompts import load_eval_prompts, mtbench_questions, render_prompt, stop_token_ids
 from titan_draft.data.sources.rows import load_rows
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch
 from models.targets.qwen3 import Qwen3Model, qwen3_flavors
 from titan_draft import load_target
 from titan_draft.features.target import write_random_target
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,7 +15,7 @@ from titan_draft.decoding.speculative import greedy_decode
 from titan_draft.data.chat.template import Turn
 from titan_draft.data.chat.prompts import render_prompt, stop_token_ids
 from titan_draft.data.sources.rows import load_rows
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from titan_draft.config.job_config import Data
 from titan_draft.data.pipeline import build_dataloader
 from titan_draft.data.sources.rows import BAD_JSON, load_rows
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 
 
 def _row(i):

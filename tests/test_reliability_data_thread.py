@@ -11,7 +11,7 @@ import pytest
 import titan_draft.data.sources.chat as source_node
 from titan_draft.config.job_config import Data
 from titan_draft.data.pipeline import build_dataloader
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.data.worker_errors import DataRowError, DataWorkerError
 
 

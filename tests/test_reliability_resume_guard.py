@@ -8,6 +8,7 @@ import json
 import pytest
 
 from titan_draft.checkpoint.resume_guard import DATA_KEYS
+from titan_draft.data.chat.format import ChatFormat
 from titan_draft.config import ConfigManager
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.train import Trainer
@@ -86,7 +87,7 @@ def test_a_position_saved_before_repeats_of_held_out_prompts_were_left_out_is_re
 
     def keys(holdout_rows):
         cfg = ConfigManager().parse_args(["--data.holdout_rows", str(holdout_rows)])
-        return build_data_keys(cfg, chat_template="chatml", system_prompt="", dp_world=1)
+        return build_data_keys(cfg, chat=ChatFormat("chatml", "", cfg.data.enable_thinking), dp_world=1)
 
     older = {k: v for k, v in keys(8).items() if k != "data.holdout_split"}  # what an older version saved
     write_data_keys(str(tmp_path), older)

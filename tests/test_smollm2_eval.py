@@ -20,7 +20,7 @@ from titan_draft.checkpoint.export import load_export
 from titan_draft.decoding.speculative import greedy_decode
 from titan_draft.config import ConfigManager
 from titan_draft.data.chat.prompts import load_eval_prompts, stop_token_ids
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.eval import main as eval_main
 from titan_draft.train import Trainer

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from titan_draft.data.chat.template import Turn, render_chat, resolve_template
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 
 CORPUS = [
     "Hello, world! 👋🏽 Ça va? Größe, naïve café",
@@ -72,7 +72,8 @@ def test_draft_args_follow_the_target(smollm2_dir):
     from titan_draft.features.target import read_hf_config
     from titan_draft.config import ConfigManager
     from titan_draft.protocols import get_model_spec
-    from titan_draft.train import resolve_model_args
+    from titan_draft.components.model_args import resolve_model_args
+    from titan_draft.data.chat.format import build_chat_format
 
     from models.targets.llama3 import args_from_hf_config
 
@@ -80,11 +81,12 @@ def test_draft_args_follow_the_target(smollm2_dir):
     tok = build_tokenizer(smollm2_dir)
     spec = get_model_spec("dflash2")
     cfg = ConfigManager().parse_args(["--model.flavor", "smollm2", "--data.chat_template", "auto"])
-    args = resolve_model_args(spec, cfg, target, tok)
+    args = resolve_model_args(spec, cfg, target, tok, build_chat_format(cfg.data, tok))
     assert (args.rope_theta, args.max_position_embeddings, args.rms_norm_eps) == (1e5, 8192, 1e-5)
     assert args.target_layer_ids == [1, 14, 27] and args.vocab_size == 49152
     assert tok.decode([args.mask_token_id]) == "<empty_output>" and spec.reserved_tokens_fn(args) == [16]
     pinned = ConfigManager().parse_args(["--model.flavor", "smollm2", "--model.args.rope_theta", "10000"])
-    assert resolve_model_args(spec, pinned, target, tok).rope_theta == 10000
+    assert resolve_model_args(spec, pinned, target, tok, build_chat_format(pinned.data, tok)).rope_theta == 10000
     with pytest.raises(ValueError, match=r"hidden_size 64 != target hidden_size 576.*'smollm2'"):
-        resolve_model_args(spec, ConfigManager().parse_args(["--model.flavor", "debugmodel"]), target, tok)
+        debug = ConfigManager().parse_args(["--model.flavor", "debugmodel"])
+        resolve_model_args(spec, debug, target, tok, build_chat_format(debug.data, tok))

@@ -11,7 +11,7 @@ import pytest
 from titan_draft.features.target import build_target_tokenizer, check_target_config
 from titan_draft.config import ConfigManager
 from titan_draft.data.tokenizer.hf_save import save_hf_tokenizer
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 
 
 def _cfg(*argv):
@@ -82,11 +82,12 @@ def test_unusable_targets_are_refused(tmp_path, argv, config, tokenizer, message
 def test_mask_token_comes_from_the_tokenizer_unless_set():
     from models.targets.qwen3 import qwen3_flavors
     from titan_draft.protocols.model_spec import get_model_spec
-    from titan_draft.train import resolve_model_args
+    from titan_draft.components.model_args import resolve_model_args
+    from titan_draft.data.chat.format import build_chat_format
 
     spec, target = get_model_spec("dflash2"), qwen3_flavors["debugmodel"]
     tok = build_tokenizer("qwen3")
-    auto = resolve_model_args(spec, _cfg(), target, tok)
+    auto = resolve_model_args(spec, _cfg(), target, tok, build_chat_format(_cfg().data, tok))
     assert auto.mask_token_id == tok.unused_token_id(target.vocab_size) == 151669
     cfg = _cfg("--model.args.mask_token_id", "151700")
-    assert resolve_model_args(spec, cfg, target, tok).mask_token_id == 151700
+    assert resolve_model_args(spec, cfg, target, tok, build_chat_format(cfg.data, tok)).mask_token_id == 151700

@@ -131,7 +131,7 @@ def llama_target_dir(tmp_path_factory):
     from models.targets.llama3 import TARGET_FLAVORS
     from models.targets.qwen3 import Qwen3Model, save_hf_checkpoint
     from titan_draft.data.tokenizer.hf_save import save_hf_tokenizer
-    from titan_draft.data.tokenizer.tokenizer import Tokenizer, build_tokenizer
+    from titan_draft.data.tokenizer import Tokenizer, build_tokenizer
 
     qwen = build_tokenizer("qwen3").encoding
     ranks = qwen._mergeable_ranks

@@ -15,7 +15,7 @@ from models.eagle3.vocab import count_loss_tokens
 from titan_draft.checkpoint.export import load_export
 from titan_draft.config import ConfigManager
 from titan_draft.data.pipeline import epoch_samples
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 from trainer_runs import REPO, debug_job_argv, torchrun
 
 pytestmark = pytest.mark.slow

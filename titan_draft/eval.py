@@ -24,10 +24,9 @@ import torch
 import torch.distributed as dist
 
 from titan_draft.checkpoint.draft_source import load_draft_source
+from titan_draft.data.chat.format import resolve_chat_format
 from titan_draft.data.chat.prompts import load_eval_prompts, stop_token_ids
-from titan_draft.data.chat.system_prompt import resolve_system_prompt
-from titan_draft.data.chat.template import resolve_template
-from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.decoding.acceptance import evaluate
 from titan_draft.decoding.evaluator import build_eval_draft
 from titan_draft.features.target import load_target
@@ -97,13 +96,14 @@ def main(argv: list[str] | None = None) -> None:
         spec, args, state, run = load_draft_source(a.draft, a.draft_name)
         target = load_target(a.target, dtype=dtype, device=device)
         tokenizer = build_tokenizer(a.target)
-        template = resolve_template(a.chat_template or run.get("chat_template", "auto"), tokenizer)
-        thinking = run.get("enable_thinking", True) if a.enable_thinking is None else a.enable_thinking == "true"
+        chat = resolve_chat_format(  # the training run's format unless the command line says otherwise
+            tokenizer, template=a.chat_template or run.get("chat_template", "auto"),
+            system_prompt=run.get("system_prompt", "auto") if a.system_prompt is None else a.system_prompt,
+            enable_thinking=run.get("enable_thinking", True) if a.enable_thinking is None else a.enable_thinking == "true",
+            key="--chat-template")
         prompts = load_eval_prompts(
-            a.prompts.split(","), tokenizer, template=template,
-            system_prompt=resolve_system_prompt(
-                run.get("system_prompt", "auto") if a.system_prompt is None else a.system_prompt, tokenizer, template),
-            enable_thinking=thinking, num_prompts=a.num_prompts,
+            a.prompts.split(","), tokenizer, template=chat.template, system_prompt=chat.system_prompt,
+            enable_thinking=chat.enable_thinking, num_prompts=a.num_prompts,
             data_source=a.data_source or run.get("data_source", ""),
             holdout_rows=run.get("holdout_rows", 0) if a.holdout_rows is None else a.holdout_rows,
             max_prompt_tokens=a.max_prompt_tokens,
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"titan_draft.eval: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     report = evaluate(target, proposer, prompts, max_new_tokens=a.max_new_tokens,
-                      stop_ids=stop_token_ids(tokenizer, template), device=device,
+                      stop_ids=stop_token_ids(tokenizer, chat.template), device=device,
                       check_lossless=not a.no_lossless_check, temperature=a.temperature, seed=a.seed,
                       cuda_graphs=not a.no_cuda_graphs)
     print(report.table())

@@ -22,13 +22,6 @@ from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.metrics import LogWindow, MetricsLogger, StepSums, get_peak_flops, metric_ratios
 from titan_draft.components.model_args import resolve_model_args
 from titan_draft.components.nonfinite import build_nonfinite_guard
-from titan_draft.features.offline import (
-    build_features_fn,
-    build_offline_dataloader,
-    build_offline_target,
-    is_offline,
-    load_feature_cache,
-)
 from titan_draft.components.optimizer import build_optimizer
 from titan_draft.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titan_draft.checkpoint.resume_guard import build_data_keys
@@ -36,12 +29,12 @@ from titan_draft.components.run_info import build_run_info
 from titan_draft.components.run_lock import maybe_acquire_run_lock
 from titan_draft.components.signals import maybe_handle_stop_signals
 from titan_draft.components.validation import Validator
-from titan_draft.features.target import build_target, build_target_tokenizer
+from titan_draft.features.builder import build_features
+from titan_draft.features.target import build_target_tokenizer
 from titan_draft.config import write_job_config
 from titan_draft.config.job_config import JobConfig
-from titan_draft.data.chat.template import resolve_template
+from titan_draft.data.chat.format import build_chat_format
 from titan_draft.data.pipeline import build_dataloader, epoch_samples
-from titan_draft.data.chat.system_prompt import resolve_system_prompt
 from titan_draft.distributed.parallelize import to_dtype
 from titan_draft.distributed.utils import (
     ParallelDims,
@@ -79,45 +72,42 @@ class Trainer:
 
         self.spec = get_model_spec(cfg.model.name)
 
-        # Target: built on the meta device, sharded, then each rank loads only its shard.
+        # Target: built on the meta device, sharded, then each rank loads only its shard (offline:
+        # its tables alone). Where the features come from is decided there, once.
         target_dtype = cfg.target.dtype if on_gpu else "float32"  # CPU runs everything in fp32
-        build = build_offline_target if is_offline(cfg) else build_target  # offline: features from disk
-        self.target = build(cfg, self.device, to_dtype(target_dtype), mesh=self.parallel_dims.shard_mesh)
+        self.features = build_features(cfg, self.device, to_dtype(target_dtype), mesh=self.parallel_dims.shard_mesh)
+        self.target = self.features.target
         self.tokenizer = build_target_tokenizer(cfg, self.target.args.vocab_size)
-        self.model_args = resolve_model_args(self.spec, cfg, self.target.args, self.tokenizer)
+        self.chat = build_chat_format(cfg.data, self.tokenizer)  # resolved once, handed to everything that renders
+        self.model_args = resolve_model_args(self.spec, cfg, self.target.args, self.tokenizer, self.chat)
         self.layer_ids = list(self.spec.capture_layers_fn(self.model_args))
         reserved = self.spec.reserved_tokens_fn
         self.reserved_tokens = list(reserved(self.model_args)) if reserved is not None else []
-        self.features_fn = build_features_fn(cfg, self.target.model, self.layer_ids, self.spec.needs_last_hidden,
-                                             to_dtype(target_dtype))
-        feature_cache = None
-        if is_offline(cfg):  # refuse a cache of other features before the data pass and the model
-            feature_cache = load_feature_cache(
-                cfg, self.target, self.tokenizer, layer_ids=self.layer_ids,
-                need_last_hidden=self.spec.needs_last_hidden, reserved_ids=self.reserved_tokens,
-                dp_rank=self.dp_rank, dp_world=self.dp_world)
+        # offline: a cache of other features is refused here, before the data pass and the model
+        self.features_fn = self.features.bind(
+            tokenizer=self.tokenizer, chat=self.chat, layer_ids=self.layer_ids,
+            need_last_hidden=self.spec.needs_last_hidden, reserved_ids=self.reserved_tokens,
+            dp_rank=self.dp_rank, dp_world=self.dp_world)
         if self.spec.prepare_fn is not None:  # a pass over the data before the model exists
             self.model_args = self.spec.prepare_fn(self.model_args, self._prepare_context())
 
         pad_multiple = 16 if cfg.float8.enable else 1
-        if feature_cache is not None:
-            self.dataloader = build_offline_dataloader(
-                cfg, feature_cache, self.tokenizer, layer_ids=self.layer_ids,
-                need_last_hidden=self.spec.needs_last_hidden, dp_rank=self.dp_rank, dp_world=self.dp_world,
-                pad_multiple=pad_multiple)
-        else:
-            self.dataloader = build_dataloader(
-                cfg.data,
-                self.tokenizer,
-                dp_rank=self.dp_rank,
-                dp_world=self.dp_world,
-                local_batch_size=cfg.training.local_batch_size,
-                seed=cfg.training.seed,
-                static_shapes=cfg.training.static_shapes,
-                pad_multiple=pad_multiple,
-                reserved_ids=frozenset(self.reserved_tokens),
-                warn_below_rows=10 * cfg.training.local_batch_size * cfg.training.grad_accum_steps,
-            )
+        self.dataloader = build_dataloader(
+            cfg.data,
+            self.tokenizer,
+            chat=self.chat,
+            dp_rank=self.dp_rank,
+            dp_world=self.dp_world,
+            local_batch_size=cfg.training.local_batch_size,
+            seed=cfg.training.seed,
+            static_shapes=cfg.training.static_shapes,
+            pad_multiple=pad_multiple,
+            reserved_ids=frozenset(self.reserved_tokens),
+            warn_below_rows=10 * cfg.training.local_batch_size * cfg.training.grad_accum_steps,
+            layer_ids=self.layer_ids,
+            need_last_hidden=self.spec.needs_last_hidden,
+            pin_memory=on_gpu,
+        )
         self.total_steps = self._total_steps()
 
         torch.manual_seed(cfg.training.seed)
@@ -139,7 +129,6 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.device.type)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, self.total_steps)
         self.train_state = TrainState()
-        template = resolve_template(cfg.data.chat_template, self.tokenizer)
         self.checkpointer = CheckpointManager(
             cfg.checkpoint,
             cfg.job.dump_folder,
@@ -150,19 +139,17 @@ class Trainer:
             train_state=self.train_state,
             dp_rank=self.dp_rank,
             dp_world=self.dp_world,
-            data_keys=build_data_keys(cfg, chat_template=template, dp_world=self.dp_world,
-                                      system_prompt=resolve_system_prompt(cfg.data.system_prompt, self.tokenizer, template)),
+            data_keys=build_data_keys(cfg, chat=self.chat, dp_world=self.dp_world),
         )
         self.nonfinite = build_nonfinite_guard(cfg.training, self.model, self.checkpointer.describe_last)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device.type)
-        self.evaluator = Evaluator(cfg, self.spec, self.model_args, self.target.model, self.tokenizer, self.device,
-                                   reserved_ids=self.reserved_tokens)
-        self.validator = Validator(cfg, self.tokenizer, self.device, dp_rank=self.dp_rank, dp_world=self.dp_world,
+        self.evaluator = Evaluator(cfg, self.spec, self.model_args, self.target.model, self.tokenizer, self.chat,
+                                   self.device, reserved_ids=self.reserved_tokens)
+        self.validator = Validator(cfg, self.tokenizer, self.chat, self.device, dp_rank=self.dp_rank, dp_world=self.dp_world,
                                    reserved_ids=frozenset(self.reserved_tokens), pad_multiple=pad_multiple)
         self.peak_flops = get_peak_flops(torch.cuda.get_device_name(self.device)) if on_gpu else None
 
-        self.run_info = build_run_info(self, target_dtype=target_dtype, template=template, n_params=n_params,
-                                       feature_cache=feature_cache)
+        self.run_info = build_run_info(self, target_dtype=target_dtype, n_params=n_params)
         logger.info("run: " + json.dumps(self.run_info))
         if self.dist.rank == 0:
             write_job_config(cfg, os.path.join(cfg.job.dump_folder, "job_config.toml"))
@@ -181,10 +168,11 @@ class Trainer:
             return out.cpu()
 
         return PrepareContext(
-            job=cfg, tokenizer=self.tokenizer, chat_template=resolve_template(cfg.data.chat_template, self.tokenizer),
-            dump_folder=cfg.job.dump_folder, dp_rank=self.dp_rank, dp_world=world,
-            samples=lambda: epoch_samples(cfg.data, self.tokenizer, dp_rank=self.dp_rank, dp_world=world,
-                                          seed=cfg.training.seed, reserved_ids=frozenset(self.reserved_tokens)),
+            job=cfg, tokenizer=self.tokenizer, chat=self.chat, dump_folder=cfg.job.dump_folder,
+            dp_rank=self.dp_rank, dp_world=world,
+            samples=lambda: epoch_samples(cfg.data, self.tokenizer, chat=self.chat, dp_rank=self.dp_rank,
+                                          dp_world=world, seed=cfg.training.seed,
+                                          reserved_ids=frozenset(self.reserved_tokens)),
             all_reduce_sum=all_reduce_sum,
             barrier=(lambda: torch.distributed.barrier()) if world > 1 else (lambda: None),
         )

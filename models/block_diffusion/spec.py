@@ -11,7 +11,6 @@ import torch
 
 from models.block_diffusion.args import BlockDiffusionArgs
 from models.common.serving import check_serving_tensors
-from titan_draft.data.chat.template import template_special_tokens
 
 __all__ = ["backbone_config", "backbone_fields", "backbone_shapes", "block_capture_layers", "check_block_export",
            "reserved_tokens", "resolved_capture_layers", "update_block_args"]
@@ -40,7 +39,7 @@ def update_block_args(args: BlockDiffusionArgs, ctx, flavors: dict[str, BlockDif
     resolved = {k: getattr(t, k) for k in _FROM_TARGET if k not in ctx.overrides}
     if "mask_token_id" not in ctx.overrides:
         resolved["mask_token_id"] = ctx.tokenizer.unused_token_id(
-            t.vocab_size, avoid=template_special_tokens(ctx.chat_template))
+            t.vocab_size, avoid=ctx.chat.special_tokens)
     return replace(
         args,
         **resolved,

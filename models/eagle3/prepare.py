@@ -13,7 +13,6 @@ from dataclasses import replace
 
 from models.eagle3.args import Eagle3Args
 from models.eagle3.vocab import build_draft_vocab, count_loss_tokens, load_draft_vocab, save_draft_vocab
-from titan_draft.data.chat.system_prompt import resolve_system_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +24,9 @@ def vocab_origin(args: Eagle3Args, ctx) -> dict:
     d = ctx.job.data
     return {
         "data.source": d.source, "data.max_rows": d.max_rows, "data.holdout_rows": d.holdout_rows,
-        "data.max_length": d.max_length, "data.chat_template": ctx.chat_template,
-        "data.system_prompt": resolve_system_prompt(d.system_prompt, ctx.tokenizer, ctx.chat_template),
-        "data.enable_thinking": d.enable_thinking, "data.last_turn_only": d.last_turn_only,
+        "data.max_length": d.max_length, "data.chat_template": ctx.chat.template,
+        "data.system_prompt": ctx.chat.system_prompt,
+        "data.enable_thinking": ctx.chat.enable_thinking, "data.last_turn_only": ctx.chat.last_turn_only,
         "tokenizer": ctx.tokenizer.name, "vocab_size": args.vocab_size, "draft_vocab_size": args.draft_vocab_size,
     }
 

@@ -39,8 +39,8 @@ class ResumeRefusedError(ValueError):
 HOLDOUT_SPLIT = "held-out rows and later rows asking their prompts"
 
 
-def build_data_keys(cfg, *, chat_template: str, system_prompt: str, dp_world: int) -> dict[str, Any]:
-    """The job keys a data position depends on (template and system prompt as resolved)."""
+def build_data_keys(cfg, *, chat: Any, dp_world: int) -> dict[str, Any]:
+    """The job keys a data position depends on (``chat``: the run's resolved ``ChatFormat``)."""
     d, t = cfg.data, cfg.training
     split = {"data.holdout_split": HOLDOUT_SPLIT} if d.holdout_rows else {}
     return {**split,
@@ -49,10 +49,10 @@ def build_data_keys(cfg, *, chat_template: str, system_prompt: str, dp_world: in
         "data.holdout_rows": d.holdout_rows,
         "data.max_length": d.max_length,
         "data.shuffle": d.shuffle,
-        "data.chat_template": chat_template,
-        "data.system_prompt": system_prompt,
-        "data.enable_thinking": d.enable_thinking,
-        "data.last_turn_only": d.last_turn_only,
+        "data.chat_template": chat.template,
+        "data.system_prompt": chat.system_prompt,
+        "data.enable_thinking": chat.enable_thinking,
+        "data.last_turn_only": chat.last_turn_only,
         "training.local_batch_size": t.local_batch_size,
         "training.grad_accum_steps": t.grad_accum_steps,
         "training.seed": t.seed,

@@ -6,13 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 from titan_draft.config.job_config import JobConfig
-from titan_draft.data.chat.template import resolve_template
 from titan_draft.protocols import ArgsContext
 
 
-def resolve_model_args(spec, cfg: JobConfig, target_args, tokenizer):
+def resolve_model_args(spec, cfg: JobConfig, target_args, tokenizer, chat):
     """Flavor args, then the [model.args] overrides, then the draft's own ``update_args_fn``
-    (what it takes from the target, its tokenizer and the job)."""
+    (what it takes from the target, its tokenizer, the run's chat format and the job)."""
     if cfg.model.flavor not in spec.flavors:
         raise ValueError(f"model.flavor: {cfg.model.flavor!r} is not a {spec.name} flavor ({sorted(spec.flavors)})")
     args = spec.flavors[cfg.model.flavor]
@@ -21,7 +20,6 @@ def resolve_model_args(spec, cfg: JobConfig, target_args, tokenizer):
     if unknown:
         raise ValueError(f"model.args: unknown {spec.name} arg(s) {unknown}; known: {sorted(names)}")
     args = dataclasses.replace(args, **cfg.model.args)
-    ctx = ArgsContext(target=target_args, tokenizer=tokenizer, job=cfg,
-                      chat_template=resolve_template(cfg.data.chat_template, tokenizer),
+    ctx = ArgsContext(target=target_args, tokenizer=tokenizer, job=cfg, chat=chat,
                       overrides=frozenset(cfg.model.args))
     return spec.update_args_fn(args, ctx)

@@ -10,7 +10,6 @@ as one line.
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from contextlib import contextmanager
 
@@ -45,12 +44,6 @@ def _check_capture_layers(cfg) -> None:
                          f"layers (ids 0..{layers - 1})")
 
 
-def _is_file_source(source: str) -> bool:
-    from titan_draft.data.sources.synthetic import is_synthetic_source
-
-    return source != "sharegpt" and not is_synthetic_source(source)
-
-
 @contextmanager
 def _quiet(*names: str):
     """The probe reads rows the pipeline reads again: let only the pipeline's read log."""
@@ -66,30 +59,28 @@ def _quiet(*names: str):
 
 
 def _check_rows(cfg) -> None:
-    """Some of the first rows must keep a trained token at data.max_length (file sources only:
-    the packaged ShareGPT dump is large to read twice, and synthetic rows always do)."""
+    """The source named by data.source is one a registered source reads and passes its own quick
+    check; some of its first rows must keep a trained token at data.max_length (sources that are
+    cheap to read twice: files, not the packaged ShareGPT dump; synthetic rows always do)."""
+    from titan_draft.data.sources.registry import get_data_source
+
     d = cfg.data
-    if not _is_file_source(d.source):
+    source = get_data_source(d.source)
+    if source.check is not None:
+        source.check(d.source)
+    if not (source.probe_at_start and source.rows is not None):
         return
-    if not os.path.exists(os.path.expanduser(d.source)):
-        raise ValueError(f"data.source: {d.source!r} does not exist (expected 'sharegpt' or a path)")
-    from titan_draft.features.target import build_target_tokenizer
-    from titan_draft.data.chat.template import resolve_template
+    from titan_draft.data.chat.format import build_chat_format
     from titan_draft.data.sources.chat import ChatSourceNode
     from titan_draft.data.sources.rows import load_rows
-    from titan_draft.data.chat.system_prompt import resolve_system_prompt
+    from titan_draft.features.target import build_target_tokenizer
 
     tokenizer = build_target_tokenizer(cfg, 0)  # cached: the trainer gets the same one
-    try:
-        template = resolve_template(d.chat_template, tokenizer)
-    except ValueError as e:
-        raise ValueError(f"data.chat_template: {e}") from None
+    chat = build_chat_format(d, tokenizer)  # cached too
     probe = min(d.max_rows, PROBE_ROWS) if d.max_rows else PROBE_ROWS
     with _quiet("titan_draft.data.sources.files", "titan_draft.data.sources.report"):
         rows, total = load_rows(d.source, max_rows=probe, skip_rows=d.holdout_rows)
-    node = ChatSourceNode(rows, tokenizer, template=template, max_length=d.max_length, seed=0, shuffle=False,
-                          system_prompt=resolve_system_prompt(d.system_prompt, tokenizer, template),
-                          enable_thinking=d.enable_thinking, last_turn_only=d.last_turn_only)
+    node = ChatSourceNode(rows, tokenizer, chat=chat, max_length=d.max_length, seed=0, shuffle=False)
     reasons = Counter()
     for row in rows:
         sample = node.sample_or_reason(row)

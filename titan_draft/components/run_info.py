@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from titan_draft.data.chat.system_prompt import resolve_system_prompt
 from titan_draft.distributed.parallelize import mixed_precision_dtypes
 
 
-def build_run_info(trainer: Any, *, target_dtype: str, template: str, n_params: int,
-                   feature_cache: dict | None) -> dict:
+def build_run_info(trainer: Any, *, target_dtype: str, n_params: int) -> dict:
     """The record of a built ``Trainer`` (its parts as the trainer holds them)."""
     cfg, on_gpu = trainer.cfg, trainer.device.type == "cuda"
     return {
@@ -23,12 +21,11 @@ def build_run_info(trainer: Any, *, target_dtype: str, template: str, n_params: 
         "draft_trainable_params": n_params,
         "target": trainer.target.source,
         "tokenizer": trainer.tokenizer.name,
-        "chat_template": template,
-        "system_prompt": resolve_system_prompt(cfg.data.system_prompt, trainer.tokenizer, template),
-        "enable_thinking": cfg.data.enable_thinking,
+        "chat_template": trainer.chat.template,
+        "system_prompt": trainer.chat.system_prompt,
+        "enable_thinking": trainer.chat.enable_thinking,
         "data_source": cfg.data.source,
-        "features": (f"offline: {cfg.data.feature_cache} ({feature_cache['storage']})" if feature_cache
-                     else "online"),
+        "features": trainer.features.describe(),
         "holdout_rows": cfg.data.holdout_rows,
         "eval_prompts": [p.name for p in trainer.evaluator.prompts] if trainer.evaluator.enabled else [],
         # tokens the draft reserves (DFlash: its mask token), as ids and text

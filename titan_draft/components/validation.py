@@ -48,7 +48,7 @@ def validate(model, features_fn: Callable, batches: Iterable[dict], device: torc
 class Validator:
     """Held-out batches and when to measure them (module docstring)."""
 
-    def __init__(self, cfg, tokenizer, device: torch.device, *, dp_rank: int, dp_world: int,
+    def __init__(self, cfg, tokenizer, chat, device: torch.device, *, dp_rank: int, dp_world: int,
                  reserved_ids: frozenset[int] = frozenset(), pad_multiple: int = 1):
         self.cfg, self.device, self.dp_world = cfg, device, dp_world
         self.enabled = cfg.validation.enable
@@ -60,7 +60,7 @@ class Validator:
         # a held-out split without a usable row fails here, before training. The batches are the
         # same at every validation, so they are read and collated once and kept (a few MB of ids)
         self._build = lambda: build_dataloader(
-            held_out, tokenizer, dp_rank=dp_rank, dp_world=dp_world, local_batch_size=t.local_batch_size,
+            held_out, tokenizer, chat=chat, dp_rank=dp_rank, dp_world=dp_world, local_batch_size=t.local_batch_size,
             seed=t.seed, static_shapes=t.static_shapes, pad_multiple=pad_multiple, reserved_ids=reserved_ids)
         loader = iter(self._build())
         self._batches = [next(loader) for _ in range(cfg.validation.steps)]

@@ -3,7 +3,7 @@
 from titan_draft.data.chat.template import Turn, render_chat
 from titan_draft.data.pipeline import ChatDataLoader, build_dataloader
 from titan_draft.data.sources.rows import SKIP_REASONS, load_rows, normalize_row
-from titan_draft.data.tokenizer.tokenizer import Tokenizer, build_tokenizer
+from titan_draft.data.tokenizer import Tokenizer, build_tokenizer
 
 __all__ = [
     "SKIP_REASONS",

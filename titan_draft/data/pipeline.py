@@ -1,6 +1,10 @@
-"""The online dataloader: conversations -> padded token batches, one pipeline per DP rank.
+"""The dataloader: a job's data source -> padded micro-batches, one pipeline per DP rank.
 
-    ChatSourceNode (shard, shuffle, render, truncate, skip+count)
+``build_dataloader`` asks the registry (sources/registry.py) which source the job names and lets
+it build the loader. Sources of token rows (conversations, synthetic rows) share the pipeline
+built here:
+
+    source node (conversations: shard, shuffle, render, truncate, skip+count; or synthetic rows)
       -> Batcher(local_batch_size) -> Mapper(collate) -> [Prefetcher] -> Loader
 
 The Prefetcher snapshots the source node's state with every batch it reads ahead, so the
@@ -10,23 +14,24 @@ Loader's state describes what the training loop consumed, not what the backgroun
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from functools import partial
 from typing import Any, Optional
 
 import torch
 import torchdata.nodes as tn
 
-from titan_draft.data.chat.template import check_template, resolve_template
+from titan_draft.data.chat.format import build_chat_format
 from titan_draft.data.loader_state import RankStateLoader
 from titan_draft.data.reshard import reshard_position
 from titan_draft.data.sources.chat import STATE_KEY, ChatSourceNode, Sample
+from titan_draft.data.sources.registry import LoaderContext, get_data_source, loader_source
 from titan_draft.data.sources.rows import split_rows
-from titan_draft.data.sources.synthetic import build_synthetic_source, is_synthetic_source
-from titan_draft.data.chat.system_prompt import resolve_system_prompt
-from titan_draft.data.tokenizer.tokenizer import Tokenizer
+from titan_draft.data.tokenizer import Tokenizer
 from titan_draft.data.worker_errors import ForwardErrorsNode
 
-__all__ = ["ChatDataLoader", "build_dataloader", "collate_chat", "epoch_samples"]
+__all__ = ["ChatDataLoader", "build_chat_loader", "build_dataloader", "build_rows_loader", "chat_samples",
+           "collate_chat", "epoch_samples"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +97,7 @@ def build_dataloader(
     data_cfg: Any,
     tokenizer: Tokenizer,
     *,
+    chat: Any = None,
     dp_rank: int,
     dp_world: int,
     local_batch_size: int,
@@ -100,12 +106,18 @@ def build_dataloader(
     pad_multiple: int = 1,
     reserved_ids: frozenset[int] = frozenset(),
     warn_below_rows: int = 0,
-) -> ChatDataLoader:
-    """Build this DP rank's dataloader from the ``[data]`` config section.
+    layer_ids: tuple[int, ...] = (),
+    need_last_hidden: bool = False,
+    pin_memory: bool = False,
+) -> RankStateLoader:
+    """Build this DP rank's dataloader from the ``[data]`` config section: the source the job
+    names (``sources.registry.loader_source``) builds it.
 
     Args:
         data_cfg: ``JobConfig.data``.
         tokenizer: the target's tokenizer (``build_tokenizer``).
+        chat: the run's resolved ``ChatFormat`` (None: resolved here from ``data_cfg``, for a
+            caller that builds one loader; a run resolves it once and hands it to every part).
         dp_rank, dp_world: this rank's index and the number of DP ranks (rows are split by them).
         local_batch_size: samples per batch (``training.local_batch_size``).
         seed: shuffle seed (``training.seed``).
@@ -114,16 +126,12 @@ def build_dataloader(
         reserved_ids: token ids the draft reserves; conversation rows holding one are skipped.
         warn_below_rows: warn when this rank has (or an epoch yields) fewer usable rows than this
             (the trainer passes 10 optimizer steps' worth).
+        layer_ids, need_last_hidden, pin_memory: what a source whose batches carry the target's
+            features (a feature cache) reads and how it hands them over.
 
     Raises:
-        ValueError: naming the config key, for a missing or empty source, an unknown template
-            (or one whose special tokens the tokenizer lacks) or an invalid size.
+        ValueError: naming the config key, for a missing or empty source or an invalid size.
     """
-    try:
-        template = resolve_template(data_cfg.chat_template, tokenizer)
-        check_template(template, tokenizer)
-    except ValueError as e:
-        raise ValueError(f"data.chat_template: {e}") from None
     if data_cfg.max_length <= 0:
         raise ValueError(f"data.max_length: must be > 0, got {data_cfg.max_length}")
     if data_cfg.prefetch_factor < 0:
@@ -132,47 +140,60 @@ def build_dataloader(
         raise ValueError(f"training.local_batch_size: must be > 0, got {local_batch_size}")
     if pad_multiple <= 0:
         raise ValueError(f"pad_multiple must be > 0, got {pad_multiple}")
+    ctx = LoaderContext(data=data_cfg, tokenizer=tokenizer, chat=chat or build_chat_format(data_cfg, tokenizer),
+                        dp_rank=dp_rank, dp_world=dp_world, local_batch_size=local_batch_size, seed=seed, static_shapes=static_shapes,
+                        pad_multiple=pad_multiple, reserved_ids=frozenset(reserved_ids),
+                        warn_below_rows=warn_below_rows, layer_ids=tuple(layer_ids),
+                        need_last_hidden=need_last_hidden, pin_memory=pin_memory)
+    return loader_source(data_cfg).build_loader(ctx)
 
-    source: tn.BaseNode
-    if is_synthetic_source(data_cfg.source):  # benchmarks: token rows made in memory
-        source = build_synthetic_source(data_cfg, dp_rank=dp_rank, dp_world=dp_world, seed=seed)
-    else:
-        source = _chat_source(data_cfg, tokenizer, template, dp_rank=dp_rank, dp_world=dp_world, seed=seed,
-                              static_shapes=static_shapes, reserved_ids=reserved_ids,
-                              warn_below_rows=warn_below_rows)
-    node: tn.BaseNode = tn.Batcher(source, batch_size=local_batch_size, drop_last=True)
+
+def epoch_samples(data_cfg: Any, tokenizer: Tokenizer, *, chat: Any = None, dp_rank: int, dp_world: int, seed: int,
+                  reserved_ids: frozenset[int] = frozenset()):
+    """This DP rank's usable samples of ``data.source`` once, rendered and truncated as training
+    renders them (what a draft's data pass, e.g. EAGLE-3's vocabulary count, and prepare_features
+    read). Offline too: ``data.source`` names the conversations behind a feature cache. ``chat``
+    as in ``build_dataloader``."""
+    source = get_data_source(data_cfg.source)
+    if source.samples is None:
+        raise ValueError(f"data.source: {data_cfg.source!r} ({source.name}) gives no token rows to read once")
+    ctx = LoaderContext(data=data_cfg, tokenizer=tokenizer, chat=chat or build_chat_format(data_cfg, tokenizer),
+                        dp_rank=dp_rank, dp_world=dp_world, seed=seed, reserved_ids=frozenset(reserved_ids))
+    yield from source.samples(ctx)
+
+
+def build_rows_loader(source: tn.BaseNode, ctx: LoaderContext) -> ChatDataLoader:
+    """The shared pipeline after a source node of token rows (module docstring)."""
+    node: tn.BaseNode = tn.Batcher(source, batch_size=ctx.local_batch_size, drop_last=True)
     collate = partial(
         collate_chat,
-        pad_id=tokenizer.pad_id,
-        max_length=data_cfg.max_length,
-        static_shapes=static_shapes,
-        pad_multiple=pad_multiple,
+        pad_id=ctx.tokenizer.pad_id,
+        max_length=ctx.data.max_length,
+        static_shapes=ctx.static_shapes,
+        pad_multiple=ctx.pad_multiple,
     )
     node = tn.Mapper(node, collate)
     worker = None
-    if data_cfg.prefetch_factor > 0:
+    if ctx.data.prefetch_factor > 0:
         worker = node = ForwardErrorsNode(node)  # whatever the thread raises reaches the loop
         # snapshot_frequency=1: a snapshot per batch, so a resume never replays or loses one.
-        node = tn.Prefetcher(node, prefetch_factor=data_cfg.prefetch_factor, snapshot_frequency=1)
-    return ChatDataLoader(tn.Loader(node), source, dp_rank=dp_rank, dp_world=dp_world, worker=worker)
+        node = tn.Prefetcher(node, prefetch_factor=ctx.data.prefetch_factor, snapshot_frequency=1)
+    return ChatDataLoader(tn.Loader(node), source, dp_rank=ctx.dp_rank, dp_world=ctx.dp_world, worker=worker)
 
 
-def epoch_samples(data_cfg: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seed: int,
-                  reserved_ids: frozenset[int] = frozenset()):
-    """This DP rank's usable samples once, rendered and truncated as training renders them (what
-    a draft's data pass, e.g. EAGLE-3's vocabulary count, must see)."""
-    if is_synthetic_source(data_cfg.source):
-        yield from build_synthetic_source(data_cfg, dp_rank=dp_rank, dp_world=dp_world, seed=seed).usable_samples()
-        return
-    template = resolve_template(data_cfg.chat_template, tokenizer)
-    source = _chat_source(data_cfg, tokenizer, template, dp_rank=dp_rank, dp_world=dp_world, seed=seed,
-                          static_shapes=False, reserved_ids=reserved_ids)
-    yield from source.usable_samples()
+def build_chat_loader(ctx: LoaderContext) -> ChatDataLoader:
+    """The loader of a conversation source (one whose ``DataSource.rows`` reads ``data.source``)."""
+    return build_rows_loader(_chat_source(ctx), ctx)
 
 
-def _chat_source(data_cfg: Any, tokenizer: Tokenizer, template: str, *, dp_rank: int, dp_world: int, seed: int,
-                 static_shapes: bool, reserved_ids: frozenset[int], warn_below_rows: int = 0) -> ChatSourceNode:
-    """This DP rank's conversations of ``data.source``, rendered with ``template``."""
+def chat_samples(ctx: LoaderContext):
+    """A conversation source's usable samples once, in source order."""
+    yield from _chat_source(replace(ctx, static_shapes=False, warn_below_rows=0)).usable_samples()
+
+
+def _chat_source(ctx: LoaderContext) -> ChatSourceNode:
+    """This DP rank's conversations of ``data.source``, rendered with the run's chat format."""
+    data_cfg, dp_rank, dp_world = ctx.data, ctx.dp_rank, ctx.dp_world
     split = split_rows(
         data_cfg.source, max_rows=data_cfg.max_rows, dp_rank=dp_rank, dp_world=dp_world,
         skip_rows=data_cfg.holdout_rows,
@@ -183,35 +204,27 @@ def _chat_source(data_cfg: Any, tokenizer: Tokenizer, template: str, *, dp_rank:
             f"data.source: {total} rows (data.max_rows={data_cfg.max_rows}) leave DP rank "
             f"{dp_rank} of {dp_world} with none"
         )
-    chat_format = template
-    if chat_format == "qwen3":
-        chat_format += f" (enable_thinking={data_cfg.enable_thinking})"
-    if data_cfg.last_turn_only:
-        chat_format += ", last assistant turn only"
     held_out = ""
     if data_cfg.holdout_rows:
         held_out = (f" after {data_cfg.holdout_rows} held-out rows and {split.held_out_repeats} that repeat "
                     "their prompts")
     logger.info(
         "data: %s, %d rows%s, %d on DP rank %d/%d, template %s, max_length %d, %s shapes",
-        data_cfg.source, total, held_out, len(rows), dp_rank, dp_world, chat_format,
-        data_cfg.max_length, "static" if static_shapes else "dynamic",
+        data_cfg.source, total, held_out, len(rows), dp_rank, dp_world, ctx.chat.describe(),
+        data_cfg.max_length, "static" if ctx.static_shapes else "dynamic",
     )  # fmt: skip
-    if len(rows) < warn_below_rows:
+    if len(rows) < ctx.warn_below_rows:
         logger.warning("data: only %d rows on DP rank %d (at most that many usable), fewer than 10 optimizer "
                        "steps' worth (%d): every row will be repeated many times", len(rows), dp_rank,
-                       warn_below_rows)
+                       ctx.warn_below_rows)
     return ChatSourceNode(
         rows,
-        tokenizer,
-        template=template,
-        system_prompt=resolve_system_prompt(data_cfg.system_prompt, tokenizer, template),
+        ctx.tokenizer,
+        chat=ctx.chat,
         max_length=data_cfg.max_length,
-        seed=seed,
+        seed=ctx.seed,
         shuffle=data_cfg.shuffle,
-        enable_thinking=data_cfg.enable_thinking,
-        last_turn_only=data_cfg.last_turn_only,
-        reserved_ids=reserved_ids,
-        warn_below_rows=warn_below_rows,
+        reserved_ids=ctx.reserved_ids,
+        warn_below_rows=ctx.warn_below_rows,
         describe_row=lambda i: f"row {split.positions[i]} (0-based) of data.source {data_cfg.source}",
     )

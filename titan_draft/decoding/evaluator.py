@@ -12,8 +12,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from titan_draft.components.metrics import due_every
 from titan_draft.data.chat.prompts import load_eval_prompts, stop_token_ids
-from titan_draft.data.chat.system_prompt import resolve_system_prompt
-from titan_draft.data.chat.template import resolve_template
 from titan_draft.decoding.acceptance import EvalReport, evaluate
 
 logger = logging.getLogger(__name__)
@@ -34,7 +32,7 @@ class Evaluator:
     """The ``[eval]`` section during training: prompts rendered once at start (so a bad source
     fails before training), the measurement every ``eval.interval`` steps and at the end."""
 
-    def __init__(self, cfg, spec, model_args, target, tokenizer, device: torch.device, reserved_ids=()):
+    def __init__(self, cfg, spec, model_args, target, tokenizer, chat, device: torch.device, reserved_ids=()):
         e = cfg.eval
         self.cfg, self.spec, self.model_args = cfg, spec, model_args
         self.target, self.device = target, device
@@ -44,11 +42,9 @@ class Evaluator:
         if spec.build_proposer_fn is None:
             raise ValueError(f"eval.enable: draft {spec.name!r} has no proposer (build_proposer_fn)")
         d = cfg.data
-        template = resolve_template(d.chat_template, tokenizer)
         self.prompts = load_eval_prompts(
-            list(e.prompts), tokenizer, template=template,
-            system_prompt=resolve_system_prompt(d.system_prompt, tokenizer, template),
-            enable_thinking=d.enable_thinking, num_prompts=e.num_prompts, data_source=d.source,
+            list(e.prompts), tokenizer, template=chat.template, system_prompt=chat.system_prompt,
+            enable_thinking=chat.enable_thinking, num_prompts=e.num_prompts, data_source=d.source,
             holdout_rows=d.holdout_rows, max_prompt_tokens=e.max_prompt_tokens,
         )
         reserved = set(reserved_ids)
@@ -59,7 +55,7 @@ class Evaluator:
         self.prompts = kept
         if not self.prompts:
             raise ValueError(f"eval.prompts: {list(e.prompts)} gave no prompts")
-        self.stop_ids = stop_token_ids(tokenizer, template)
+        self.stop_ids = stop_token_ids(tokenizer, chat.template)
         self.folder = os.path.join(cfg.job.dump_folder, e.folder)
         self.greedy_cache: dict = {}  # the frozen target's plain decodes, the same at every eval
 

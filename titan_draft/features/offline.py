@@ -1,9 +1,8 @@
-"""The offline features source: ``data.feature_cache`` names a folder written by
-``scripts/prepare_features.py`` and training reads the target's captured features from it
-instead of running the target.
+"""Offline features: ``data.feature_cache`` names a folder written by ``scripts/prepare_features.py``
+and training reads the target's captured features from it instead of running the target.
 
-Beside the online target (``target.py``) and the synthetic one (``synthetic_target.py``) this is
-the third way to get ``TargetFeatures``. The target is still named by ``target.path`` (or
+Beside the online target (``target.py``) and the synthetic one (``synthetic.py``) this is the
+third way to get ``TargetFeatures`` (the builder, ``builder.py``, picks one). The target is still named by ``target.path`` (or
 ``target.flavor``): the draft's frozen embedding and lm_head come from it, read alone from the
 folder, and the manifest check compares the cache with it. Only the true-τ eval
 (``eval.enable``) decodes with the target, so only then is the whole target loaded.
@@ -13,31 +12,22 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from titan_draft.features.graphed_capture import maybe_graphed_capture
-from titan_draft.features.synthetic import SyntheticTarget, build_synthetic_target, is_synthetic_target
-from titan_draft.features.target import build_target, compute_features, read_hf_config
-from titan_draft.data.chat.template import resolve_template
+from titan_draft.features.synthetic import build_synthetic_target, is_synthetic_target
+from titan_draft.features.target import build_target, read_hf_config
 from titan_draft.data.features.manifest import check_cache_files, check_manifest, job_facts, load_manifest
-from titan_draft.data.features.pipeline import build_feature_dataloader, rank_shards
+from titan_draft.data.features.pipeline import rank_shards
 from titan_draft.data.features.shards import dequantize
-from titan_draft.data.chat.system_prompt import resolve_system_prompt
-from titan_draft.distributed.utils import select_device_type
 from titan_draft.protocols import TargetFeatures
 from titan_draft.protocols.target_spec import TargetBundle, target_spec_for_model_type
 
-__all__ = ["TablesTarget", "build_features_fn", "build_offline_dataloader", "build_offline_target",
-           "check_feature_cache", "features_from_batch", "is_offline", "load_feature_cache"]
+__all__ = ["TablesTarget", "build_offline_target", "check_feature_cache", "features_from_batch", "load_feature_cache"]
 
 logger = logging.getLogger(__name__)
-
-
-def is_offline(cfg: Any) -> bool:
-    return bool(cfg.data.feature_cache)
 
 
 class TablesTarget(nn.Module):
@@ -93,23 +83,20 @@ def build_offline_target(cfg: Any, device: torch.device, dtype: torch.dtype, mes
 def check_feature_cache(cfg: Any) -> None:
     """Before any process group: the cache has a complete manifest and every shard it lists, at its
     recorded size. (The job-facts check and the checksums need the draft and run per rank.)"""
-    if not is_offline(cfg):
+    if not cfg.data.feature_cache:
         return
     manifest = load_manifest(cfg.data.feature_cache)
     check_cache_files(cfg.data.feature_cache, manifest["shards"], verify=False)
 
 
-def load_feature_cache(cfg: Any, target: TargetBundle, tokenizer: Any, *, layer_ids: list[int], need_last_hidden: bool,
-                       reserved_ids: list[int], dp_rank: int, dp_world: int) -> dict[str, Any]:
+def load_feature_cache(cfg: Any, target: TargetBundle, tokenizer: Any, chat: Any, *, layer_ids: list[int],
+                       need_last_hidden: bool, reserved_ids: list[int], dp_rank: int, dp_world: int) -> dict[str, Any]:
     """The cache's manifest, once it is known to hold this job's features (target, tokenizer,
     template, max_length, capture layers, last hidden, reserved tokens) and this rank's shards
     are whole (sha256 with ``data.feature_cache_verify``); a one-line ValueError otherwise."""
     folder = cfg.data.feature_cache
     manifest = load_manifest(folder)
-    template = resolve_template(cfg.data.chat_template, tokenizer)
-    facts = job_facts(cfg, target.args, tokenizer, template,
-                      resolve_system_prompt(cfg.data.system_prompt, tokenizer, template),
-                      layer_ids, need_last_hidden, reserved_ids)
+    facts = job_facts(cfg, target.args, tokenizer, chat, layer_ids, need_last_hidden, reserved_ids)
     check_manifest(manifest, facts, os.path.join(folder, "manifest.json"))
     if manifest["facts"]["data"] != facts["data"]:
         # offline, data.source feeds only a draft's data pass (EAGLE-3's vocabulary) and the eval's
@@ -120,17 +107,6 @@ def load_feature_cache(cfg: Any, target: TargetBundle, tokenizer: Any, *, layer_
     if cfg.data.feature_cache_verify:
         check_cache_files(folder, rank_shards(manifest["shards"], dp_rank, dp_world), verify=True)
     return manifest
-
-
-def build_offline_dataloader(cfg: Any, manifest: dict[str, Any], tokenizer: Any, *, layer_ids: list[int],
-                             need_last_hidden: bool, dp_rank: int, dp_world: int, pad_multiple: int):
-    """This DP rank's ``FeatureDataLoader`` over the checked cache."""
-    t = cfg.training
-    return build_feature_dataloader(
-        cfg.data.feature_cache, manifest["shards"], data_cfg=cfg.data, pad_id=tokenizer.pad_id, dp_rank=dp_rank,
-        dp_world=dp_world, local_batch_size=t.local_batch_size, seed=t.seed, static_shapes=t.static_shapes,
-        pad_multiple=pad_multiple, layer_ids=layer_ids, need_last_hidden=need_last_hidden,
-        pin_memory=select_device_type(cfg.job.device) == "cuda")
 
 
 def features_from_batch(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> TargetFeatures:
@@ -144,16 +120,3 @@ def features_from_batch(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> T
         aux_hidden=dequantize(batch["aux_hidden"], batch.get("aux_scale"), dtype),
         last_hidden=None if last is None else dequantize(last, batch.get("last_scale"), dtype),
     )
-
-
-def build_features_fn(cfg: Any, target: nn.Module, layer_ids: list[int], need_last_hidden: bool,
-                      dtype: torch.dtype) -> Callable[[dict[str, torch.Tensor]], TargetFeatures]:
-    """micro-batch -> ``TargetFeatures``: read from the batch offline, computed by the target online."""
-    if is_offline(cfg):
-        return lambda batch: features_from_batch(batch, dtype)
-    if not isinstance(target, SyntheticTarget):  # its features come from a random generator: nothing to graph
-        device = next(target.parameters()).device
-        target, line = maybe_graphed_capture(target, device, enable=cfg.target.cuda_graph,
-                                             static_shapes=cfg.training.static_shapes)
-        logger.info(line)
-    return lambda batch: compute_features(target, batch, layer_ids, need_last_hidden)

@@ -49,7 +49,7 @@ def build_target_tokenizer(cfg, vocab_size: int):
     """The target's tokenizer: ``target.tokenizer``, else the files in ``target.path``, else the
     packaged Qwen3 BPE (random-weight targets are Qwen3-shaped). ``vocab_size`` is the target's
     embedding rows; a tokenizer with more ids than that belongs to another model."""
-    from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+    from titan_draft.data.tokenizer import build_tokenizer
 
     t = cfg.target
     key, spec = ("target.tokenizer", t.tokenizer) if t.tokenizer else (
@@ -208,7 +208,7 @@ def write_random_target(folder: str, *, flavor: str = "debugmodel", seed: int = 
     CPU), cast to ``dtype``. Returns ``folder``.
     """
     from titan_draft.data.tokenizer.hf_save import save_hf_tokenizer
-    from titan_draft.data.tokenizer.tokenizer import build_tokenizer
+    from titan_draft.data.tokenizer import build_tokenizer
 
     spec = get_target_spec("qwen3")  # the Qwen BPE below is a Qwen3 tokenizer
     args = random_target_args("qwen3", flavor, key="flavor")

@@ -16,13 +16,8 @@ def import_model_packages() -> None:
     if _done:
         return
     _done = True
-    import models
-
-    for info in pkgutil.iter_modules(models.__path__):
-        if info.ispkg:
-            importlib.import_module(f"models.{info.name}")
-    import models.targets
-
-    for info in pkgutil.iter_modules(models.targets.__path__):
-        if info.ispkg:
-            importlib.import_module(f"models.targets.{info.name}")
+    for parent in ("models", "models.targets"):  # named as strings: the engine imports no model package
+        package = importlib.import_module(parent)
+        for info in pkgutil.iter_modules(package.__path__):
+            if info.ispkg:
+                importlib.import_module(f"{parent}.{info.name}")

@@ -24,6 +24,14 @@ A fourth draft is one folder ``models/<name>/`` whose ``__init__`` registers a M
 - optionally ``prepare_fn`` (a pass over the training data before the model exists),
   ``flops_fn`` (MFU) and ``reserved_tokens_fn`` (token ids the data must not hold).
 Parameter FQNs are the serving names: checkpoints and exports never see wrapper prefixes.
+
+What a draft imports of the engine (and nothing else of ``titan_draft``; never
+``titan_draft.data``: what it needs of the data, the tokenizer and the chat format reaches it
+through ``ArgsContext`` and ``PrepareContext``):
+- ``titan_draft.protocols``: this module, ``TargetFeatures`` / ``DraftOutput``, ``Proposer``;
+- ``titan_draft.distributed.parallelize.parallelize_blocks``: what its ``parallelize_fn`` calls;
+- ``titan_draft.distributed.cuda_graphs`` (``capture_graph``, ``round_slots``): to replay its
+  proposal as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -65,8 +73,10 @@ class ArgsContext:
     ``max_position_embeddings``, ``tie_word_embeddings``."""
     tokenizer: Any
     """The target's ``Tokenizer`` (e.g. to choose a token the data never contains)."""
-    chat_template: str
-    """The chat format the job renders (resolved: 'chatml', 'qwen3', 'llama3')."""
+    chat: Any
+    """The run's resolved chat format (``titan_draft.data.chat.format.ChatFormat``): ``template``
+    ('chatml', 'qwen3', 'llama3'), ``system_prompt``, ``enable_thinking``, ``last_turn_only`` and
+    the ``special_tokens`` the format writes."""
     job: Any
     """The whole ``JobConfig`` (``target.capture_layers``, ``training.static_shapes``, ...)."""
     overrides: frozenset[str]
@@ -80,7 +90,8 @@ class PrepareContext:
 
     job: Any
     tokenizer: Any
-    chat_template: str
+    chat: Any
+    """The run's resolved chat format (as ``ArgsContext.chat``)."""
     dump_folder: str
     dp_rank: int
     dp_world: int

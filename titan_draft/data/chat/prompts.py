@@ -18,7 +18,7 @@ from typing import Any
 
 from titan_draft.data.chat.template import Turn, _render, check_template
 from titan_draft.data.sources.rows import load_rows, normalize_row, prompt_key
-from titan_draft.data.tokenizer.tokenizer import Tokenizer
+from titan_draft.data.tokenizer import Tokenizer
 
 __all__ = ["EvalPrompt", "PROMPT_SOURCES", "first_query", "load_eval_prompts", "mtbench_questions",
            "render_prompt", "stop_token_ids"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 
-from titan_draft.data.tokenizer.tokenizer import Tokenizer
+from titan_draft.data.tokenizer import Tokenizer
 
 __all__ = ["AUTO", "default_system_prompt", "resolve_system_prompt"]
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from titan_draft.data.tokenizer.tokenizer import Tokenizer
+from titan_draft.data.tokenizer import Tokenizer
 
 __all__ = [
     "ROLES", "SUPPORTED_TEMPLATES", "Turn", "check_template", "render_chat", "resolve_template",

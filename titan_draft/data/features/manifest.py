@@ -60,13 +60,14 @@ def target_config_hash(cfg: Any, target_args: Any) -> str:
     return _sha({"config": config, "weights": weights})
 
 
-def job_facts(cfg: Any, target_args: Any, tokenizer: Any, template: str, system_prompt: str,
-              layer_ids: list[int], last_hidden: bool, reserved_ids: list[int]) -> dict[str, Any]:
-    """Everything about a job that changes the captured features or the rows they come from."""
+def job_facts(cfg: Any, target_args: Any, tokenizer: Any, chat: Any, layer_ids: list[int], last_hidden: bool,
+              reserved_ids: list[int]) -> dict[str, Any]:
+    """Everything about a job that changes the captured features or the rows they come from
+    (``chat``: the run's resolved ``ChatFormat``)."""
     d = cfg.data
     turns = normalize_row(_PROBE)
-    ids, mask = render_chat(turns, tokenizer, template, system_prompt, enable_thinking=d.enable_thinking,
-                            last_turn_only=d.last_turn_only)
+    ids, mask = render_chat(turns, tokenizer, chat.template, chat.system_prompt, enable_thinking=chat.enable_thinking,
+                            last_turn_only=chat.last_turn_only)
     return {
         "target_path": cfg.target.path or f"random:{cfg.target.flavor}",
         "target_config_hash": target_config_hash(cfg, target_args),
@@ -76,11 +77,11 @@ def job_facts(cfg: Any, target_args: Any, tokenizer: Any, template: str, system_
         "last_hidden": bool(last_hidden),
         "tokenizer_hash": _sha({"n_vocab": tokenizer.n_vocab, "pad_id": tokenizer.pad_id,
                                 "probe": tokenizer.encode(_PROBE["conversations"][0]["value"])}),
-        "template": template,
+        "template": chat.template,
         "template_hash": _sha({"ids": ids, "mask": mask}),
-        "system_prompt_hash": _sha(system_prompt),
-        "enable_thinking": d.enable_thinking,
-        "last_turn_only": d.last_turn_only,
+        "system_prompt_hash": _sha(chat.system_prompt),
+        "enable_thinking": chat.enable_thinking,
+        "last_turn_only": chat.last_turn_only,
         "max_length": d.max_length,
         "reserved_ids": sorted(reserved_ids),
         "data": {"source": d.source, "max_rows": d.max_rows, "holdout_rows": d.holdout_rows},

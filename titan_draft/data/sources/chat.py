@@ -15,7 +15,7 @@ import torchdata.nodes as tn
 
 from titan_draft.data.chat.template import render_chat
 from titan_draft.data.sources.rows import normalize_row
-from titan_draft.data.tokenizer.tokenizer import Tokenizer
+from titan_draft.data.tokenizer import Tokenizer
 from titan_draft.data.worker_errors import row_error
 
 __all__ = ["ChatSourceNode", "Sample", "STATE_KEY", "epoch_order"]
@@ -63,10 +63,7 @@ class ChatSourceNode(tn.BaseNode[Sample]):
     Args:
         rows: this DP rank's raw rows (``load_rows``).
         tokenizer: the target's tokenizer.
-        template: chat template name.
-        system_prompt: system turn for conversations without one.
-        enable_thinking: ``qwen3`` thinking mode (see ``render_chat``).
-        last_turn_only: train on each conversation's last assistant turn only.
+        chat: the run's ``ChatFormat`` (template, system prompt, thinking, last turn only).
         max_length: tokens kept per sample (longer samples are truncated).
         seed: shuffle seed (``training.seed``).
         shuffle: permute the rows each epoch; otherwise read them in source order.
@@ -85,13 +82,10 @@ class ChatSourceNode(tn.BaseNode[Sample]):
         rows: list[Any],
         tokenizer: Tokenizer,
         *,
-        template: str,
-        system_prompt: str,
+        chat: Any,
         max_length: int,
         seed: int,
         shuffle: bool,
-        enable_thinking: bool = True,
-        last_turn_only: bool = False,
         reserved_ids: frozenset[int] = frozenset(),
         describe_row: Callable[[int], str] = lambda i: f"row {i} of this DP rank",
         warn_below_rows: int = 0,
@@ -104,10 +98,7 @@ class ChatSourceNode(tn.BaseNode[Sample]):
         self.reserved_ids = frozenset(reserved_ids)
         self.rows = rows
         self.tokenizer = tokenizer
-        self.template = template
-        self.system_prompt = system_prompt
-        self.enable_thinking = enable_thinking
-        self.last_turn_only = last_turn_only
+        self.chat = chat
         self.max_length = max_length
         self.seed = seed
         self.shuffle = shuffle
@@ -163,14 +154,9 @@ class ChatSourceNode(tn.BaseNode[Sample]):
         turns = normalize_row(row)
         if isinstance(turns, str):
             return turns
-        ids, mask = render_chat(
-            turns,
-            self.tokenizer,
-            self.template,
-            self.system_prompt,
-            enable_thinking=self.enable_thinking,
-            last_turn_only=self.last_turn_only,
-        )
+        chat = self.chat
+        ids, mask = render_chat(turns, self.tokenizer, chat.template, chat.system_prompt,
+                                enable_thinking=chat.enable_thinking, last_turn_only=chat.last_turn_only)
         if not self.reserved_ids.isdisjoint(ids):
             return "reserved_token"
         ids, mask = ids[: self.max_length], mask[: self.max_length]

