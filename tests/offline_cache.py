@@ -3,6 +3,8 @@ the same rows through the online target and through the cache."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from scripts.prepare_features import prepare
@@ -64,10 +66,10 @@ class Paths:
             yield batch, compute_features(self.target.model, batch, self.layer_ids, self.spec.needs_last_hidden)
 
     def offline(self, cache: str, *, dp_rank: int = 0, dp_world: int = 1, shuffle: bool | None = None):
-        cfg = self.cfg
-        cfg.data.feature_cache = cache
+        data = replace(self.cfg.data, feature_cache=cache)
         if shuffle is not None:
-            cfg.data.shuffle = shuffle
+            data.shuffle = shuffle
+        cfg = replace(self.cfg, data=data)
         load_feature_cache(cfg, self.target, self.tokenizer, self.chat, layer_ids=self.layer_ids,
                            need_last_hidden=self.spec.needs_last_hidden, reserved_ids=self.reserved,
                            dp_rank=dp_rank, dp_world=dp_world)
