@@ -11,7 +11,12 @@ import signal
 import time
 from typing import Callable
 
+import sys
+
 import pytest
+
+# helpers.py sits beside this file; tests in subfolders import it by name
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # A shell that starts a command in the background without job control (nohup, `cmd &` in a
 # script, some CI runners) hands it SIGINT ignored, and then neither Python's Ctrl-C handler nor
@@ -37,6 +42,14 @@ def _built_once(tmp_path_factory, name: str, build: Callable[[str], object]) -> 
             build(path)
             open(path + ".done", "w").close()
     return path
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """The Qwen3 tokenizer (the packaged BPE), built once per test process."""
+    from titan_draft.data.tokenizer import build_tokenizer
+
+    return build_tokenizer("qwen3")
 
 
 @pytest.fixture(scope="session")

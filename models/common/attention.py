@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from models.common.lazy_compile import LazyCompiled
 from models.common.norm import RMSNorm
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -26,10 +27,9 @@ AttentionMask = BlockMask | torch.Tensor
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 
-# Compiled once at import (compilation itself is lazy). Eager flex_attention materializes the
-# [Q, KV] score matrix, so on CUDA this compiled function is called even from uncompiled blocks;
-# inside a compiled block dynamo inlines it.
-_compiled_flex_attention = torch.compile(flex_attention)
+# Eager flex_attention materializes the [Q, KV] score matrix, so on CUDA it is called compiled
+# even from uncompiled blocks (inside a compiled block dynamo traces it into the block's graph).
+_compiled_flex_attention = LazyCompiled(flex_attention)
 
 
 def resolve_attention_backend(backend: str, device: torch.device | str) -> str:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models.common.lazy_compile import LazyCompiled
+
 
 @dataclass
 class ChunkedCEOutput:
@@ -66,7 +68,7 @@ def _chunk_stats(z, labels, logit_scale: float, softcap: float, need_grad: bool)
 
 # static shapes: a run has at most two chunk sizes (full and last), each compiled once (on first
 # call, like models.common.attention's compiled flex_attention)
-_compiled_chunk_stats = torch.compile(_chunk_stats, fullgraph=True, dynamic=False)
+_compiled_chunk_stats = LazyCompiled(_chunk_stats, fullgraph=True, dynamic=False)
 
 
 class _ChunkedCE(torch.autograd.Function):

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from models.common.lazy_compile import LazyCompiled
+
 
 @dataclass
 class DistillOutput:
@@ -80,7 +82,7 @@ def _chunk_stats(z_head, z_markov, z_teacher, labels, weight, ce_weight: float, 
 
 
 # one graph per chunk size (a run has at most two: full and last), as models/common/cross_entropy.py
-_compiled_chunk_stats = torch.compile(_chunk_stats, fullgraph=True, dynamic=False)
+_compiled_chunk_stats = LazyCompiled(_chunk_stats, fullgraph=True, dynamic=False)
 
 
 def _spans_tensor(teacher_index: torch.Tensor, weight: torch.Tensor, chunk_rows: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from models.common import build_attention_mask, resolve_attention_backend
+from models.common.lazy_compile import LazyCompiled
 from models.eagle3.block_mask import ttt_block_mask
 from titan_draft.protocols.features import DraftOutput, TargetFeatures
 
@@ -85,7 +86,7 @@ def _step_terms(logits: torch.Tensor, p: torch.Tensor, gold: torch.Tensor):
 # product, sum and argmax (and their backward) are ~10 fp32 passes a step -- at 2 x 2048 x 32000
 # and 7 steps, ~35 % of the H200 profile's non-matmul time (2026-12-02). Every step has the same
 # shapes and strides (the teacher's rows are views one row apart), so one graph serves all 7.
-_compiled_step_terms = torch.compile(_step_terms, fullgraph=True, dynamic=False)
+_compiled_step_terms = LazyCompiled(_step_terms, fullgraph=True, dynamic=False)
 
 
 def ttt_objective(draft, f: TargetFeatures) -> DraftOutput:
