@@ -6,7 +6,7 @@ SpecForge users do with an SGLang server, in plain PyTorch: the first user turn 
 ``--source`` (after ``--skip-rows``, e.g. the job's ``data.holdout_rows``) is rendered with the
 generation prompt and answered greedily or by sampling, batched with a left-padded KV cache.
 A prompt the source repeats is answered once per pass; later rows asking a held-out prompt are not
-answered (data/sources.py: split_rows). A second, sampled pass into the same folder (``--tag``)
+answered (titan_draft/data/sources/rows.py: split_rows). A second, sampled pass into the same folder (``--tag``)
 gives every prompt another answer: more training text from the same prompts.
 
     python scripts/regenerate_data.py --target outputs/targets/smollm2 --out outputs/data/smollm2_regen \\

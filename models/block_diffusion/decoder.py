@@ -12,7 +12,7 @@ over the slots) can be captured once as a CUDA graph and replayed (``graphs=True
 the eager forward is bound by kernel launches (a DFlash2 round spent ~15 ms of host time
 drafting against ~4 ms for the target's graphed verify pass). It is the default on a CUDA
 device: on the H200 (2026-12-01) graphed proposals equalled eager ones
-(``tests/test_models_dflash2_proposal.py``) and a SmolLM2 DFlash2 proposal took 1.45 ms instead of
+(``tests/unit/models/dflash2/test_models_dflash2_proposal.py``) and a SmolLM2 DFlash2 proposal took 1.45 ms instead of
 11.99 (``scripts/bench_decode.py``); ``--proposer-option graphs=false`` drafts eagerly.
 """
 

@@ -1,4 +1,4 @@
-"""Run under torchrun (4 gloo ranks) by tests/test_hsdp.py: several trainers in one process
+"""Run under torchrun (4 gloo ranks) by tests/integration/distributed/test_hsdp.py: several trainers in one process
 group, each a job of its own; rank 0 writes every run's losses to argv[1] as JSON."""
 
 from __future__ import annotations

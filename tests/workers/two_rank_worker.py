@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_two_rank_float8.py: several drafts' jobs one after another in
+"""Run under torchrun by tests/integration/distributed/test_two_rank_float8.py: several drafts' jobs one after another in
 the same ranks, so the process-group start-up and torch.compile's warm-up are paid once.
 
 argv: ``jobs.json`` (draft name -> trainer argv) and an output folder; every rank writes

@@ -34,7 +34,7 @@ class ResumeRefusedError(ValueError):
     else, or cannot move to this DP size): the CLI prints it as one line."""
 
 
-# How held-out rows are split off (data/sources.py: split_rows). Versions before this one kept the
+# How held-out rows are split off (data/sources/rows.py: split_rows). Versions before this one kept the
 # later rows that repeat a held-out prompt, so their saved positions count rows differently.
 HOLDOUT_SPLIT = "held-out rows and later rows asking their prompts"
 

@@ -47,7 +47,7 @@ def stop_threads(root: tn.BaseNode, timeout_s: float = THREAD_STOP_TIMEOUT_S) ->
     """Stop the prefetch / pin-memory threads of the pipeline under ``root`` and wait for them.
 
     torchdata has no public call for this (its own ``__del__`` joins for half a second), hence
-    the private ``_it`` / ``_shutdown`` / ``_thread``; tests/test_data_threads.py pins them."""
+    the private ``_it`` / ``_shutdown`` / ``_thread``; tests/unit/data/test_data_threads.py pins them."""
     for node in _threaded_nodes(root):
         mapper = node._it
         if mapper is None:

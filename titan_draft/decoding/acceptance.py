@@ -81,7 +81,7 @@ class EvalReport:
     max_new_tokens: int
     temperature: float = 0.0
     """0: greedy, checked token for token; > 0: speculative sampling (lossless in distribution,
-    tests/test_speculative_sampling.py), so no per-token check."""
+    tests/unit/decoding/test_speculative_sampling.py), so no per-token check."""
 
     @property
     def rounds(self) -> int:

@@ -1,5 +1,5 @@
 """Two gloo ranks with float8 + per-block compile + FSDP2, for every draft: the drafts' jobs run one
-after another in one torchrun launch (tests/two_rank_worker.py), so the process group and
+after another in one torchrun launch (tests/workers/two_rank_worker.py), so the process group and
 compile's warm-up are set up once; each draft's test reads its own job's outputs."""
 
 from __future__ import annotations

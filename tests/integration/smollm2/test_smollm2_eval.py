@@ -144,7 +144,7 @@ def test_random_dspark_draft_is_lossless(smollm2, kind="gated", threshold=0.3):
     """DSpark's proposal (block forward, then the gated Markov head left to right, cut where the
     confidence product falls below the threshold) on the real model: random weights are mostly
     rejected, and every round must still leave the output equal to plain greedy. (The rnn head's
-    decoding is checked against training in tests/test_models_dspark.py.)"""
+    decoding is checked against training in tests/unit/models/dspark/test_models_dspark.py.)"""
     from models.dspark import DSparkDraft, DSparkProposer, dspark_flavors
 
     target, tok, prompts = smollm2

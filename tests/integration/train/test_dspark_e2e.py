@@ -1,6 +1,6 @@
 """DSpark through the real, unchanged trainer on CPU: exact kill-and-resume, the export and the
 true-τ eval CLI on it (at two confidence thresholds). Two gloo ranks with float8 + compile + FSDP2:
-tests/test_two_rank_float8.py."""
+tests/integration/distributed/test_two_rank_float8.py."""
 
 from __future__ import annotations
 

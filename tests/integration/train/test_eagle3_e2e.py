@@ -1,5 +1,5 @@
 """EAGLE-3 through the real trainer on CPU: its vocabulary pass, exact resume, export and the
-true-τ eval. Two gloo ranks with float8 + compile + FSDP2: tests/test_two_rank_float8.py."""
+true-τ eval. Two gloo ranks with float8 + compile + FSDP2: tests/integration/distributed/test_two_rank_float8.py."""
 
 from __future__ import annotations
 

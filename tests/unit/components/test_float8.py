@@ -1,6 +1,6 @@
 """Float8Converter on CPU: which Linears it converts, the uneven-shard guard, numerics.
 
-The 2-rank FSDP2 float8 all-gather run lives in test_distributed.py.
+The 2-rank FSDP2 float8 all-gather run lives in tests/integration/distributed/test_distributed.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A data position resumed on another DP size: the exact cases continue what the saved run would
 have read (checked against that run left uninterrupted), the others are refused in one line (the
-offline cache's twin is in tests/test_offline_source.py)."""
+offline cache's twin is in tests/integration/offline/test_offline_source.py)."""
 
 import json
 import re

@@ -67,7 +67,7 @@ class FeatureShardNode(tn.BaseNode[dict]):
 
     def shard_order(self, num_shards: int, epoch: int) -> list[int]:
         """The order a rank of ``num_shards`` shards visits them in ``epoch`` (a function of the count,
-        not of the rank, so a DP change can recompute any rank's; data/feature_reshard.py)."""
+        not of the rank, so a DP change can recompute any rank's; data/features/reshard.py)."""
         if not self.shuffle:
             return list(range(num_shards))
         g = torch.Generator().manual_seed(hashed_seed("titan_draft.features.shards", self.seed, epoch))
@@ -160,7 +160,7 @@ class FeatureDataLoader(RankStateLoader):
     """Infinite, resumable iterator of feature batches for one DP rank (``RankStateLoader``: the
     same state layout as ``ChatDataLoader``). ``rows_per_rank`` is the row count of the DP rank with
     the fewest (every rank computes the same epoch length). On a DP change it continues the saved
-    position where no row is lost or read twice (data/feature_reshard.py), and refuses otherwise.
+    position where no row is lost or read twice (data/features/reshard.py), and refuses otherwise.
 
     Args:
         source: the pipeline's ``FeatureShardNode``; ``shards``: the manifest's whole shard list.

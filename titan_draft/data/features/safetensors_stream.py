@@ -10,7 +10,7 @@ The layout is safetensors' own: an 8-byte little-endian header length, the JSON 
 spaces to a multiple of 8, then the tensors' data in the header's order. That order is larger
 elements first, then by name, so every tensor starts aligned to its element size. safetensors
 orders its own files slightly differently (by dtype) and writes metadata in hash-map order;
-readers take any order. ``tests/test_safetensors_stream.py`` reads the files back with
+readers take any order. ``tests/unit/data/features/test_safetensors_stream.py`` reads the files back with
 safetensors itself.
 
 A tensor may also be given as a list of pieces that share a dtype and all but the first dimension:

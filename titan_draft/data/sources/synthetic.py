@@ -12,7 +12,7 @@ job. Modes (the seeds' synthetic data, SpecForge's ``--variable-mask`` harness):
 
 ``data.max_rows`` is the number of distinct rows per epoch (0: 1024); row ``i`` is drawn from
 a generator seeded with ``(training.seed, i)``, so runs and resumes see the same rows. The
-synthetic *target* (random captured features) is ``components/synthetic_target.py``.
+synthetic *target* (random captured features) is ``titan_draft/features/synthetic.py``.
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ BAD_JSON = {  # case: (change to the tiny tokenizer.json, expected message)
         "'▁hello' is not written in the byte-level",
     ),
     "duplicate id": (lambda d: _vocab(d, ba=256), "gives id 256 to both"),
-    # without an unk_token HF drops such a byte (tests/test_data_tokenizer_dropped_bytes.py)
+    # without an unk_token HF drops such a byte (tests/unit/data/tokenizer/test_data_tokenizer_dropped_bytes.py)
     "missing byte with an unk_token": (
         lambda d: (d["model"]["vocab"].pop("z"), d["model"].update(unk_token="<|endoftext|>")),
         "no single-byte token for 1 of the 256 bytes",
