@@ -215,7 +215,7 @@ def _read_counts_at(step_dir: str) -> list[int]:
 
 
 def _torchrun(nprocs: int, argv: list[str]) -> str:
-    from trainer_runs import torchrun
+    from helpers import torchrun
 
     proc = torchrun(nprocs, "-m", "titan_draft.train", *argv)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -226,7 +226,7 @@ def _torchrun(nprocs: int, argv: list[str]) -> str:
 def test_trainer_resumes_a_two_rank_run_on_four(tmp_path, random_target_dir):
     import shutil
 
-    from reliability_runs import job_args
+    from helpers import job_args
 
     _write_rows(str(tmp_path / "rows.jsonl"), 40)
     common = ("--data.shuffle", "false", "--training.steps", "4", "--checkpoint.interval", "2",
