@@ -31,8 +31,11 @@ class GraphedCapture:
         self._graphs: dict[tuple, CapturedGraph] = {}
         self._warned = False
 
-    def capture(self, input_ids: torch.Tensor, layer_ids: list[int], need_last_hidden: bool = True):
-        key = (tuple(input_ids.shape), tuple(layer_ids), need_last_hidden)
+    def capture(self, input_ids: torch.Tensor, layer_ids: list[int], need_last_hidden: bool = True,
+                document_ids: torch.Tensor | None = None):
+        """As the target's ``capture``; packed rows' ``document_ids`` are a graph input too (the
+        document mask is built inside the graph from them)."""
+        key = (tuple(input_ids.shape), tuple(layer_ids), need_last_hidden, document_ids is None)
         captured = self._graphs.get(key)
         if captured is None:
             if len(self._graphs) >= self.max_shapes:
@@ -40,11 +43,14 @@ class GraphedCapture:
                     logger.warning("target capture: more than %d batch shapes (now %s); the new ones run eagerly "
                                    "(training.static_shapes keeps one shape)", self.max_shapes, key[0])
                     self._warned = True
-                return self.target.capture(input_ids, layer_ids, need_last_hidden)
-            inputs = input_ids.clone()
-            graph, out = capture_graph(lambda: self.target.capture(inputs, layer_ids, need_last_hidden))
+                return self.target.capture(input_ids, layer_ids, need_last_hidden, document_ids=document_ids)
+            inputs = (input_ids.clone(), clone_or_none(document_ids))
+            graph, out = capture_graph(
+                lambda: self.target.capture(inputs[0], layer_ids, need_last_hidden, document_ids=inputs[1]))
             captured = self._graphs[key] = CapturedGraph(graph, inputs, out, 0)
-        captured.inputs.copy_(input_ids)
+        captured.inputs[0].copy_(input_ids)
+        if document_ids is not None:
+            captured.inputs[1].copy_(document_ids)
         captured.graph.replay()
         aux, last = captured.out
         return aux.clone(), clone_or_none(last)

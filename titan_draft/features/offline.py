@@ -119,4 +119,5 @@ def features_from_batch(batch: dict[str, torch.Tensor], dtype: torch.dtype) -> T
         valid_lengths=batch["valid_lengths"],
         aux_hidden=dequantize(batch["aux_hidden"], batch.get("aux_scale"), dtype),
         last_hidden=None if last is None else dequantize(last, batch.get("last_scale"), dtype),
+        document_ids=batch.get("document_ids"),
     )

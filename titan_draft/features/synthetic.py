@@ -51,8 +51,10 @@ class SyntheticTarget(nn.Module):
         return aux, last
 
     @torch.no_grad()
-    def capture(self, input_ids: torch.Tensor, layer_ids: list[int], need_last_hidden: bool):
-        """``aux [B, S, len(layer_ids) * H]`` and ``last_hidden [B, S, H]`` or None."""
+    def capture(self, input_ids: torch.Tensor, layer_ids: list[int], need_last_hidden: bool,
+                document_ids: torch.Tensor | None = None):
+        """``aux [B, S, len(layer_ids) * H]`` and ``last_hidden [B, S, H]`` or None (random
+        features, so packed rows' documents are independent of each other by construction)."""
         check_capture_layer_ids(layer_ids, self.args.num_hidden_layers)
         return self(input_ids, list(layer_ids), need_last_hidden)
 

@@ -187,13 +187,15 @@ def compute_features(
     target: nn.Module, batch: dict[str, torch.Tensor], layer_ids: list[int], need_last_hidden: bool
 ) -> TargetFeatures:
     """Run the frozen target on one micro-batch (already on device)."""
-    aux, last = target.capture(batch["input_ids"], layer_ids, need_last_hidden)
+    document_ids = batch.get("document_ids")  # packed rows (data.packing)
+    aux, last = target.capture(batch["input_ids"], layer_ids, need_last_hidden, document_ids=document_ids)
     return TargetFeatures(
         input_ids=batch["input_ids"],
         loss_mask=batch["loss_mask"],
         valid_lengths=batch["valid_lengths"],
         aux_hidden=aux,
         last_hidden=last,
+        document_ids=document_ids,
     )
 
 

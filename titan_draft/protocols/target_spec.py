@@ -6,8 +6,10 @@ lookup that finds nothing imports every package under ``models`` once (so an out
 registers by being importable there), then answers or names what is supported.
 
 A target model (``model_cls(args)``, built on the meta device) offers:
-- ``capture(input_ids, layer_ids, need_last_hidden) -> (aux [B, S, K*H], last_hidden | None)``:
-  capture id ``i`` is the output of decoder layer ``i`` (HF ``hidden_states[i + 1]``);
+- ``capture(input_ids, layer_ids, need_last_hidden, document_ids=None) -> (aux [B, S, K*H],
+  last_hidden | None)``: capture id ``i`` is the output of decoder layer ``i`` (HF
+  ``hidden_states[i + 1]``); with ``document_ids`` (packed rows, ``TargetFeatures.document_ids``)
+  each document is captured as if it were alone: positions restart, attention stays inside it;
 - ``compile_capture(backend)``: compile what ``capture`` runs (``compile.target``), leaving
   decoding with a cache as it is;
 - ``model(input_ids) -> logits`` and, for decoding, ``new_cache(batch, max_len, pad=None)``

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models.common.attention import AttentionMask, attention
+from models.common.causal_documents import build_causal_document_mask
 from models.common import (
     QKNormProjections,
     RMSNorm,
@@ -24,6 +26,7 @@ from models.common import (
 from models.targets.qwen3.args import Qwen3Args
 from models.targets.qwen3.cache import DecodeStep, KVCache, LayerCache
 from models.targets.qwen3.static_cache import StaticKVCache
+from titan_draft.protocols.features import document_spans
 from titan_draft.protocols.target_spec import check_capture_layer_ids
 
 
@@ -31,14 +34,17 @@ class Qwen3Attention(QKNormProjections):
     """Causal GQA self-attention with per-head q/k RMSNorm (Qwen3; none for Llama-3)."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: LayerCache | None = None) -> torch.Tensor:
+                kv: LayerCache | None = None, mask: AttentionMask | None = None) -> torch.Tensor:
+        """``mask``: packed rows' causal document mask (``build_causal_document_mask``)."""
         b, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, s, self.n_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_heads != self.n_kv_heads
-        if kv is None:
+        if mask is not None:
+            o = attention(q, k, v, mask)
+        elif kv is None:
             # Padding sits at the end of each row, so plain causal attention is exact for real
             # tokens.
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -74,13 +80,14 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: LayerCache | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
+                kv: LayerCache | None = None, mask: AttentionMask | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _call_layer(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return layer(h, cos, sin)
+def _call_layer(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: AttentionMask | None = None) -> torch.Tensor:
+    return layer(h, cos, sin, None, mask)
 
 
 class Qwen3Model(nn.Module):
@@ -163,6 +170,7 @@ class Qwen3Model(nn.Module):
         *,
         cache: KVCache | None = None,
         logits: str = "all",
+        document_ids: torch.Tensor | None = None,
     ):
         """``layer_ids=None``: logits ``[B, S, V]``; else ``(aux, last_hidden | None)`` as in
         :meth:`capture`. Capture goes through ``forward`` so FSDP2's root hooks (which unshard
@@ -175,19 +183,26 @@ class Qwen3Model(nn.Module):
         """
         if cache is not None:
             return self._decode(input_ids, layer_ids, need_last_hidden, cache, logits)
-        pos = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        seq = input_ids.shape[1]
+        mask = None
+        if document_ids is None:
+            pos = torch.arange(seq, device=input_ids.device).unsqueeze(0)
+        else:  # packed rows: positions restart and attention stays inside each document
+            starts, _ = document_spans(document_ids, torch.full_like(input_ids[:, 0], seq), seq)
+            pos = torch.arange(seq, device=input_ids.device) - starts
+            mask = build_causal_document_mask(starts)
         cos, sin = self._rope(pos)
         h = self.embed_tokens(input_ids)
         if layer_ids is None:
             for layer in self.layers.values():
-                h = layer(h, cos, sin)
+                h = layer(h, cos, sin, None, mask)
             return self.lm_head(self.norm(h))
 
         wanted = set(layer_ids)
         last = len(self.layers) - 1 if need_last_hidden else max(layer_ids)
         outs: dict[int, torch.Tensor] = {}
         for i in range(last + 1):
-            h = self._capture_layer(self.layers[str(i)], h, cos, sin)
+            h = self._capture_layer(self.layers[str(i)], h, cos, sin, mask)
             if i in wanted:
                 outs[i] = h
         aux = torch.cat([outs[i] for i in layer_ids], dim=-1)
@@ -230,7 +245,8 @@ class Qwen3Model(nn.Module):
 
     @torch.no_grad()
     def capture(
-        self, input_ids: torch.Tensor, layer_ids: list[int], need_last_hidden: bool = True
+        self, input_ids: torch.Tensor, layer_ids: list[int], need_last_hidden: bool = True,
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Hidden states for draft training.
 
@@ -240,12 +256,16 @@ class Qwen3Model(nn.Module):
                 HF ``hidden_states[i + 1]``), concatenated in this order (repeats allowed).
             need_last_hidden: also return the final-norm last hidden state. When False, layers
                 after ``max(layer_ids)`` are not run.
+            document_ids: ``[B, S]`` for packed rows (``TargetFeatures.document_ids``): each
+                document is captured as if it were alone (positions restart, attention stays
+                inside it).
 
         Returns:
             ``aux [B, S, len(layer_ids) * H]`` and ``last_hidden [B, S, H]`` or None.
         """
         check_capture_layer_ids(layer_ids, len(self.layers))
-        return self(input_ids, layer_ids=list(layer_ids), need_last_hidden=need_last_hidden)
+        return self(input_ids, layer_ids=list(layer_ids), need_last_hidden=need_last_hidden,
+                    document_ids=document_ids)
 
     def embed_weight(self) -> torch.Tensor:
         """The full ``[V, H]`` input embedding (all-gathered if sharded), detached."""
