@@ -43,7 +43,9 @@ def build_data_keys(cfg, *, chat: Any, dp_world: int) -> dict[str, Any]:
     """The job keys a data position depends on (``chat``: the run's resolved ``ChatFormat``)."""
     d, t = cfg.data, cfg.training
     split = {"data.holdout_split": HOLDOUT_SPLIT} if d.holdout_rows else {}
-    return {**split,
+    # absent when off, so positions saved before packing existed still compare equal
+    packing = {"data.packing": True, "data.packing_window": d.packing_window} if d.packing else {}
+    return {**split, **packing,
         "data.source": d.source,
         "data.max_rows": d.max_rows,
         "data.holdout_rows": d.holdout_rows,

@@ -84,6 +84,18 @@ class Data:
     """Train on the last assistant turn of each conversation only (earlier turns are context)."""
     max_length: int = 2048
     """Tokens per sample after truncation; with static shapes every batch is padded to it."""
+    packing: bool = False
+    """Pack whole conversations into rows of exactly data.max_length tokens instead of padding one
+    conversation per row: real data is mostly shorter than max_length, and packed rows carry
+    2-5x more real tokens per step at the same shapes (docs/data.md). Documents never see each
+    other (attention, RoPE positions, labels, anchors and teacher positions stay inside each);
+    a conversation longer than a row is truncated as without packing. training.local_batch_size
+    then counts rows, each holding several conversations. data.max_length must be a multiple of
+    128 (the attention tile of the document masks)."""
+    packing_window: int = 64
+    """With data.packing: how many upcoming conversations a row may be filled from. Each row takes
+    the oldest waiting conversation first, then the longest ones that still fit (best fit);
+    a wider window leaves less padding and reorders the data a little more."""
     max_rows: int = 0
     """Use only the first N rows of the source (0: all)."""
     shuffle: bool = True

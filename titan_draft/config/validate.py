@@ -32,7 +32,7 @@ _CHOICES = {
 # key -> smallest allowed value
 _MINIMUM = {
     "training.local_batch_size": 1, "training.grad_accum_steps": 1, "training.epochs": 0,
-    "training.max_norm": 0, "data.max_length": 1, "data.max_rows": 0, "data.prefetch_factor": 0,
+    "training.max_norm": 0, "data.max_length": 1, "data.packing_window": 1, "data.max_rows": 0, "data.prefetch_factor": 0,
     "optimizer.lr": 0, "optimizer.eps": 0, "optimizer.weight_decay": 0,
     "lr_scheduler.warmup_steps": -1, "lr_scheduler.warmup_ratio": 0, "lr_scheduler.min_lr_factor": 0,
     "checkpoint.interval": 1, "checkpoint.keep_latest_k": 0, "checkpoint.load_step": -1,
@@ -80,6 +80,9 @@ def validate_job_config(cfg: JobConfig, log: logging.Logger | None = None) -> li
         errors.append("validation.enable is not available with data.feature_cache (held-out rows are read "
                       "from data.source and need the target online)")
 
+    if cfg.data.packing and cfg.data.max_length % 128:
+        errors.append(f"data.max_length = {cfg.data.max_length} must be a multiple of 128 with data.packing "
+                      "(the attention tile of the document masks)")
     static = cfg.training.static_shapes
     if cfg.float8.enable and static and cfg.data.max_length % 16 != 0:
         errors.append(f"data.max_length = {cfg.data.max_length} must be a multiple of 16 with "

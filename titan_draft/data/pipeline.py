@@ -5,6 +5,7 @@ it build the loader. Sources of token rows (conversations, synthetic rows) share
 built here:
 
     source node (conversations: shard, shuffle, render, truncate, skip+count; or synthetic rows)
+      -> [PackingNode: whole conversations into rows of max_length (data.packing)]
       -> Batcher(local_batch_size) -> Mapper(collate) -> [Prefetcher] -> Loader
 
 The Prefetcher snapshots the source node's state with every batch it reads ahead, so the
@@ -23,6 +24,7 @@ import torchdata.nodes as tn
 
 from titan_draft.data.chat.format import build_chat_format
 from titan_draft.data.loader_state import RankStateLoader
+from titan_draft.data.packing import PackingNode, collate_packed
 from titan_draft.data.reshard import reshard_position
 from titan_draft.data.sources.chat import STATE_KEY, ChatSourceNode, Sample
 from titan_draft.data.sources.registry import LoaderContext, get_data_source, loader_source
@@ -73,12 +75,15 @@ class ChatDataLoader(RankStateLoader):
     """
 
     def __init__(self, loader: tn.Loader, source: ChatSourceNode, *, dp_rank: int, dp_world: int,
-                 worker: Optional[ForwardErrorsNode] = None):
+                 worker: Optional[ForwardErrorsNode] = None, packed: bool = False):
         super().__init__(loader, source_key=STATE_KEY, dp_rank=dp_rank, dp_world=dp_world,
                          rows_per_rank=len(source.rows), worker=worker)
         self._source = source
+        self._packed = packed
 
     def _resharded(self, saved: list[dict[str, Any]]) -> dict[str, Any]:
+        if self._packed:  # which waiting conversations a rank held is not something a new rank can take over
+            return super()._resharded(saved)
         sources = self._saved_sources(saved)
         epoch, position = reshard_position(
             sources, new_rank=self.dp_rank, new_world=self.dp_world, num_rows=len(self._source.rows),
@@ -163,22 +168,29 @@ def epoch_samples(data_cfg: Any, tokenizer: Tokenizer, *, chat: Any = None, dp_r
 
 
 def build_rows_loader(source: tn.BaseNode, ctx: LoaderContext) -> ChatDataLoader:
-    """The shared pipeline after a source node of token rows (module docstring)."""
-    node: tn.BaseNode = tn.Batcher(source, batch_size=ctx.local_batch_size, drop_last=True)
-    collate = partial(
-        collate_chat,
-        pad_id=ctx.tokenizer.pad_id,
-        max_length=ctx.data.max_length,
-        static_shapes=ctx.static_shapes,
-        pad_multiple=ctx.pad_multiple,
-    )
+    """The shared pipeline after a source node of token rows (module docstring); with
+    ``data.packing`` the rows are packed conversations (data/packing.py)."""
+    node: tn.BaseNode = source
+    if ctx.data.packing:
+        node = PackingNode(node, max_length=ctx.data.max_length, window=ctx.data.packing_window)
+        collate = partial(collate_packed, pad_id=ctx.tokenizer.pad_id, max_length=ctx.data.max_length)
+    else:
+        collate = partial(
+            collate_chat,
+            pad_id=ctx.tokenizer.pad_id,
+            max_length=ctx.data.max_length,
+            static_shapes=ctx.static_shapes,
+            pad_multiple=ctx.pad_multiple,
+        )
+    node = tn.Batcher(node, batch_size=ctx.local_batch_size, drop_last=True)
     node = tn.Mapper(node, collate)
     worker = None
     if ctx.data.prefetch_factor > 0:
         worker = node = ForwardErrorsNode(node)  # whatever the thread raises reaches the loop
         # snapshot_frequency=1: a snapshot per batch, so a resume never replays or loses one.
         node = tn.Prefetcher(node, prefetch_factor=ctx.data.prefetch_factor, snapshot_frequency=1)
-    return ChatDataLoader(tn.Loader(node), source, dp_rank=ctx.dp_rank, dp_world=ctx.dp_world, worker=worker)
+    return ChatDataLoader(tn.Loader(node), source, dp_rank=ctx.dp_rank, dp_world=ctx.dp_world, worker=worker,
+                          packed=ctx.data.packing)
 
 
 def build_chat_loader(ctx: LoaderContext) -> ChatDataLoader:
