@@ -34,6 +34,7 @@ from titan_draft.features.target import build_target_tokenizer
 from titan_draft.config import write_job_config
 from titan_draft.config.job_config import JobConfig
 from titan_draft.data.chat.format import build_chat_format
+from titan_draft.data.packing import packed_counts
 from titan_draft.data.pipeline import build_dataloader, epoch_samples
 from titan_draft.distributed.parallelize import to_dtype
 from titan_draft.distributed.utils import (
@@ -265,10 +266,12 @@ class Trainer:
                 window.data_wait += time.perf_counter() - t0
                 self.train_state.step += 1
                 step = self.train_state.step
-                tokens = sum(int(b["valid_lengths"].sum()) for b in micro_batches)
+                counts = [packed_counts(b) for b in micro_batches]
+                tokens = sum(t for _, t in counts)
                 self.train_state.tokens_seen += tokens
                 window.tokens += tokens
-                window.samples += sum(b["input_ids"].shape[0] for b in micro_batches)
+                window.positions += sum(b["input_ids"].numel() for b in micro_batches)
+                window.samples += sum(n for n, _ in counts)
                 window.steps += 1
                 out = self.train_step(micro_batches)
                 if self.metrics.should_log(step, self.total_steps):
@@ -280,7 +283,8 @@ class Trainer:
                         "loss": loss,
                         "lr": out["lr"],
                         "grad_norm": float(out["grad_norm"]),
-                        "tokens_per_s": window.tokens / elapsed,
+                        "tokens_per_s": window.tokens / elapsed,  # real tokens, padding left out
+                        "padding_fraction": 1.0 - window.tokens / max(window.positions, 1),
                         "samples_per_s": window.samples * self.dp_world / elapsed,
                         "step_time_s": elapsed / window.steps,
                         "data_wait_s": window.data_wait / window.steps,

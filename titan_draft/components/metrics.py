@@ -158,6 +158,7 @@ _TB_GROUPS = {
     "lr": "optim",
     "grad_norm": "optim",
     "tokens_per_s": "perf",
+    "padding_fraction": "perf",
     "samples_per_s": "perf",
     "mfu": "perf",
     "data_wait_s": "perf",
@@ -178,7 +179,11 @@ class LogWindow:
     start: float = dataclasses.field(default_factory=time.perf_counter)
     steps: int = 0
     tokens: int = 0
+    """Real (non-padding) tokens."""
+    positions: int = 0
+    """Row positions, padding included."""
     samples: int = 0
+    """Conversations (a packed row holds several)."""
     data_wait: float = 0.0
 
 
@@ -264,6 +269,7 @@ class MetricsLogger:
             ("lr", "lr {:.3e}"),
             ("grad_norm", "grad_norm {:.4f}"),
             ("tokens_per_s", "tok/s {:,.0f}"),
+            ("padding_fraction", "pad {:.1%}"),
             ("samples_per_s", "samples/s {:.2f}"),
             ("mfu", "mfu {:.2f}%"),
         ]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torchdata.nodes as tn
@@ -40,26 +40,33 @@ Row = list[Sample]
 @dataclass
 class _Drawn:
     state_before: dict[str, Any]  # the source's state before this conversation was drawn
-    sample: Sample
+    sample: Any
+    length: int
     placed: bool = False
 
 
-class PackingNode(tn.BaseNode[Row]):
-    """Rows of whole samples (``(input_ids, loss_mask)``, each at most ``max_length`` long) whose
-    lengths sum to at most ``max_length``, from ``source`` (module docstring).
+def _sample_length(sample: Sample) -> int:
+    return len(sample[0])
+
+
+class PackingNode(tn.BaseNode[list]):
+    """Rows of whole samples, each at most ``max_length`` long, whose lengths sum to at most
+    ``max_length``, from ``source`` (module docstring).
 
     Args:
-        source: a node of samples already truncated to ``max_length`` (``ChatSourceNode``,
-            synthetic rows).
+        source: a node of samples already truncated to ``max_length``: ``(input_ids, loss_mask)``
+            (``ChatSourceNode``, synthetic rows) or anything ``length`` measures (cached rows).
         max_length: tokens per row.
         window: conversations a row may be filled from (``data.packing_window``).
+        length: a sample's token count.
     """
 
-    def __init__(self, source: tn.BaseNode, *, max_length: int, window: int):
+    def __init__(self, source: tn.BaseNode, *, max_length: int, window: int,
+                 length: Callable[[Any], int] = _sample_length):
         super().__init__()
         if window < 1:
             raise ValueError(f"data.packing_window: must be >= 1, got {window}")
-        self.source, self.max_length, self.window = source, max_length, window
+        self.source, self.max_length, self.window, self.length = source, max_length, window, length
         self._drawn: list[_Drawn] = []
 
     def reset(self, initial_state: Optional[dict[str, Any]] = None) -> None:
@@ -76,9 +83,11 @@ class PackingNode(tn.BaseNode[Row]):
         self._drop_placed_prefix()
 
     def _draw(self) -> _Drawn:
-        entry = _Drawn(copy.deepcopy(self.source.state_dict()), self.source.next())
-        if len(entry.sample[0]) > self.max_length:
-            raise ValueError(f"packing: a sample of {len(entry.sample[0])} tokens is longer than a row "
+        state = copy.deepcopy(self.source.state_dict())
+        sample = self.source.next()
+        entry = _Drawn(state, sample, self.length(sample))
+        if entry.length > self.max_length:
+            raise ValueError(f"packing: a sample of {entry.length} tokens is longer than a row "
                              f"({self.max_length}); the source must truncate to data.max_length")
         self._drawn.append(entry)
         return entry
@@ -90,21 +99,21 @@ class PackingNode(tn.BaseNode[Row]):
         while self._drawn and self._drawn[0].placed:
             self._drawn.pop(0)
 
-    def next(self) -> Row:
+    def next(self) -> list:
         waiting = self._waiting()
         while len(waiting) < self.window:
             waiting.append(self._draw())
         row = [waiting[0]]  # the oldest first
-        room = self.max_length - len(waiting[0].sample[0])
+        room = self.max_length - waiting[0].length
         rest = waiting[1:]
         while True:
-            fits = [e for e in rest if len(e.sample[0]) <= room]
+            fits = [e for e in rest if e.length <= room]
             if not fits:
                 break
-            best = max(fits, key=lambda e: len(e.sample[0]))  # max keeps the first (oldest) of equals
+            best = max(fits, key=lambda e: e.length)  # max keeps the first (oldest) of equals
             row.append(best)
             rest.remove(best)
-            room -= len(best.sample[0])
+            room -= best.length
         for e in row:
             e.placed = True
         self._drop_placed_prefix()

@@ -1,6 +1,7 @@
 """The offline dataloader: feature shards -> padded batches that carry the captured features.
 
     FeatureShardNode (this rank's shards, shuffled; rows shuffled within each shard)
+      -> [PackingNode: cached conversations packed into rows as they are read (data.packing)]
       -> Batcher(local_batch_size) -> Mapper(collate_features) -> [Prefetcher] -> Loader
 
 The same collate and static padding as the online pipeline (``collate_chat``) make the token
@@ -22,10 +23,12 @@ import torchdata.nodes as tn
 from titan_draft.data.features.shards import ShardReader
 from titan_draft.data.features.reshard import reshard_feature_position
 from titan_draft.data.loader_state import RankStateLoader
+from titan_draft.data.packing import PackingNode, collate_packed
 from titan_draft.data.pipeline import collate_chat
 from titan_draft.data.sources.chat import hashed_seed
 
-__all__ = ["FeatureDataLoader", "FeatureShardNode", "build_feature_dataloader", "collate_features", "rank_shards"]
+__all__ = ["FeatureDataLoader", "FeatureShardNode", "build_feature_dataloader", "collate_features",
+           "collate_packed_features", "rank_shards"]
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +143,10 @@ def _pad_rows(rows: list[torch.Tensor], seq_len: int) -> torch.Tensor:
     return out
 
 
+_FEATURES = (("hidden", "aux_hidden"), ("hidden_scale", "aux_scale"), ("last_hidden", "last_hidden"),
+             ("last_hidden_scale", "last_scale"))
+
+
 def collate_features(samples: list[dict], *, pad_id: int, max_length: int, static_shapes: bool,
                      pad_multiple: int) -> dict[str, torch.Tensor]:
     """``collate_chat``'s ``input_ids``, ``loss_mask``, ``valid_lengths``, plus ``aux_hidden
@@ -149,10 +156,22 @@ def collate_features(samples: list[dict], *, pad_id: int, max_length: int, stati
                          max_length=max_length, static_shapes=static_shapes, pad_multiple=pad_multiple)
     seq_len = batch["input_ids"].shape[1]
     batch["row_ids"] = torch.tensor([s["row_id"] for s in samples], dtype=torch.long)
-    for src, dst in (("hidden", "aux_hidden"), ("hidden_scale", "aux_scale"),
-                     ("last_hidden", "last_hidden"), ("last_hidden_scale", "last_scale")):
+    for src, dst in _FEATURES:
         if src in samples[0]:
             batch[dst] = _pad_rows([s[src] for s in samples], seq_len)
+    return batch
+
+
+def collate_packed_features(rows: list[list[dict]], *, pad_id: int, max_length: int) -> dict[str, torch.Tensor]:
+    """Packed rows of cached conversations: ``collate_packed``'s tensors, the features of each
+    row's documents back to back (zero in the padding tail), and ``row_ids`` of every document in
+    row order (``documents`` says how many each row holds)."""
+    batch = collate_packed([[(s["input_ids"], s["loss_mask"]) for s in row] for row in rows], pad_id=pad_id,
+                           max_length=max_length)
+    batch["row_ids"] = torch.tensor([s["row_id"] for row in rows for s in row], dtype=torch.long)
+    for src, dst in _FEATURES:
+        if src in rows[0][0]:
+            batch[dst] = _pad_rows([torch.cat([s[src] for s in row]) for row in rows], max_length)
     return batch
 
 
@@ -167,12 +186,15 @@ class FeatureDataLoader(RankStateLoader):
     """
 
     def __init__(self, loader: tn.Loader, *, dp_rank: int, dp_world: int, rows_per_rank: int,
-                 source: FeatureShardNode, shards: list[dict[str, Any]]):
+                 source: FeatureShardNode, shards: list[dict[str, Any]], packed: bool = False):
         super().__init__(loader, source_key=STATE_KEY, dp_rank=dp_rank, dp_world=dp_world, rows_per_rank=rows_per_rank)
         self._source = source
         self._shards = shards
+        self._packed = packed
 
     def _resharded(self, saved: list[dict[str, Any]]) -> dict[str, Any]:
+        if self._packed:  # the conversations a rank held waiting cannot be handed to another rank
+            return super()._resharded(saved)
         sources = self._saved_sources(saved)
         files = lambda r, w: [s["file"] for s in rank_shards(self._shards, r, w)]  # noqa: E731
         mine = files(self.dp_rank, self.dp_world)
@@ -203,13 +225,20 @@ def build_feature_dataloader(folder: str, shards: list[dict[str, Any]], *, data_
                 "shuffled" if data_cfg.shuffle else "in file order")
     source = FeatureShardNode(folder, mine, layer_ids=layer_ids, need_last_hidden=need_last_hidden, seed=seed,
                               shuffle=data_cfg.shuffle)
-    node: tn.BaseNode = tn.Batcher(source, batch_size=local_batch_size, drop_last=True)
-    node = tn.Mapper(node, partial(collate_features, pad_id=pad_id, max_length=data_cfg.max_length,
-                                   static_shapes=static_shapes, pad_multiple=pad_multiple))
+    node: tn.BaseNode = source
+    if data_cfg.packing:  # the cache holds one conversation per row; rows are packed as they are read
+        node = PackingNode(node, max_length=data_cfg.max_length, window=data_cfg.packing_window,
+                           length=lambda s: len(s["input_ids"]))
+        collate = partial(collate_packed_features, pad_id=pad_id, max_length=data_cfg.max_length)
+    else:
+        collate = partial(collate_features, pad_id=pad_id, max_length=data_cfg.max_length,
+                          static_shapes=static_shapes, pad_multiple=pad_multiple)
+    node = tn.Batcher(node, batch_size=local_batch_size, drop_last=True)
+    node = tn.Mapper(node, collate)
     if pin_memory:
         node = tn.PinMemory(node)
     if data_cfg.prefetch_factor > 0:
         # snapshot_frequency=1: a snapshot per batch, so a resume never replays or loses one.
         node = tn.Prefetcher(node, prefetch_factor=data_cfg.prefetch_factor, snapshot_frequency=1)
     return FeatureDataLoader(tn.Loader(node), dp_rank=dp_rank, dp_world=dp_world, rows_per_rank=rows_per_rank,
-                             source=source, shards=shards)
+                             source=source, shards=shards, packed=data_cfg.packing)
