@@ -72,6 +72,14 @@ def test_resume_matches_uninterrupted(tmp_path, chat_jsonl):
                        before_resume=lambda dump: os.makedirs(dump / "checkpoint" / "step-5"))
 
 
+def test_packed_resume_matches_uninterrupted(tmp_path, short_chat_jsonl):
+    """Killed mid-epoch with packing on (conversations still waiting in the packing window, the
+    prefetch thread ahead): the resumed run's losses and export equal the uninterrupted run's."""
+    common = ("--training.steps", "6", "--checkpoint.interval", "3", "--data.prefetch_factor", "2",
+              "--data.packing", "true", "--data.packing_window", "8")
+    check_exact_resume(lambda dump: _args(dump, short_chat_jsonl, *common), tmp_path)
+
+
 def test_accumulation_divides_by_the_global_denominator(tmp_path, chat_jsonl):
     """Two micro-batches: the gradient is d(sum of both loss sums)/d(w) / (sum of both
     denominators), the exact token-weighted mean, not the mean of per-micro-batch means."""
