@@ -57,7 +57,10 @@ TARGETS = {  # name -> target.flavor at (production, tiny) shape
     "synthetic": ("synthetic:qwen3_8b", "synthetic:debugmodel"),
     "online": ("qwen3_8b", "debugmodel"),
 }
-MODES = ("fixed", "varmask", "varlen")
+# synthetic rows (fixed: every position real; varmask: a 20-80 % prompt; varlen: lengths from
+# max_length / 8 up), "sharegpt" (the packaged ShareGPT conversations, real lengths), or a path to a
+# chat file (.jsonl/.json, e.g. scripts/regenerate_data.py's output), named by its file name
+MODES = ("fixed", "varmask", "varlen", "sharegpt")
 # Each variant adds to the one before it, in this order.
 VARIANTS = {
     "eager": [],  # pad-to-longest, blocks uncompiled (flex_attention itself is always compiled on GPU)
@@ -66,7 +69,15 @@ VARIANTS = {
     "float8": ["--training.static_shapes", "true", "--compile.enable", "true", "--float8.enable", "true"],
     "float8_ac": ["--training.static_shapes", "true", "--compile.enable", "true", "--float8.enable", "true",
                   "--activation_checkpoint.mode", "full"],
+    # float8 with whole conversations packed into each row (data.packing)
+    "packed": ["--training.static_shapes", "true", "--compile.enable", "true", "--float8.enable", "true",
+               "--data.packing", "true"],
 }
+
+
+def data_source(mode: str) -> str:
+    """``data.source`` of a ``--modes`` entry."""
+    return mode if mode == "sharegpt" or os.path.sep in mode or "." in mode else f"synthetic:{mode}"
 
 
 @dataclass(frozen=True)
@@ -81,7 +92,8 @@ class Case:
     @property
     def name(self) -> str:
         prefix = "tiny-" if self.tiny else ""
-        return f"{prefix}{self.draft}-{self.mode}-acc{self.accum}-{self.target}-{self.variant}"
+        mode = os.path.splitext(os.path.basename(self.mode))[0]
+        return f"{prefix}{self.draft}-{mode}-acc{self.accum}-{self.target}-{self.variant}"
 
     def overrides(self, batch: int, seq: int, total_steps: int, dump_folder: str) -> list[str]:
         """The job config of this case, as CLI overrides on the built-in defaults."""
@@ -91,7 +103,7 @@ class Case:
             "--model.name", DRAFTS[self.draft][0],
             "--model.flavor", DRAFTS[self.draft][1 + shape],
             "--target.flavor", TARGETS[self.target][shape],
-            "--data.source", f"synthetic:{self.mode}",
+            "--data.source", data_source(self.mode),
             "--data.max_length", str(seq),
             "--training.local_batch_size", str(batch),
             "--training.grad_accum_steps", str(self.accum),
@@ -285,7 +297,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.seq = 64 if args.tiny else 2048
     if args.side_variants is None:
         args.side_variants = [v for v in ("eager", "float8") if v in args.variants]
-    for name, values, known in (("--drafts", args.drafts, DRAFTS), ("--modes", args.modes, MODES),
+    modes = [m for m in args.modes if data_source(m).startswith("synthetic:") or m == "sharegpt"]
+    for name, values, known in (("--drafts", args.drafts, DRAFTS), ("--modes", modes, MODES),
                                 ("--variants", args.variants, VARIANTS), ("--targets", args.targets, TARGETS),
                                 ("--side-variants", [v for v in args.side_variants if v != "all"], VARIANTS),
                                 ("--profile", [v for v in args.profile if v != "all"], VARIANTS)):

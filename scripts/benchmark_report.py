@@ -35,7 +35,7 @@ def anchor_of(draft: str) -> tuple[str, dict]:
 H200_PEAK_TFLOPS = 989.0  # dense bf16 spec (titan_draft.components.metrics.get_peak_flops)
 
 # table order: the variants as each adds to the one before, the anchor's data mode first
-VARIANT_ORDER = ("eager", "static", "compile", "float8", "float8_ac")
+VARIANT_ORDER = ("eager", "static", "compile", "float8", "float8_ac", "packed")
 MODE_ORDER = ("varmask", "fixed", "varlen")
 
 
@@ -89,7 +89,7 @@ def _fmt(value, spec: str = ".1f") -> str:
 
 
 _COLUMNS = ("draft", "data", "accum", "target", "variant", "step ms", "samples/s", "× anchor", "× eager",
-            "tokens/s", "TFLOP/step", "TFLOP/s", "MFU %", "peak alloc GiB", "peak reserved GiB",
+            "real tokens/s", "pad %", "TFLOP/step", "TFLOP/s", "MFU %", "peak alloc GiB", "peak reserved GiB",
             "data wait ms (%)", "warm-up s", "recompiles", "status")
 
 
@@ -97,7 +97,7 @@ def _row(r: dict, eager: dict | None) -> list[str]:
     c = r["case"]
     draft = f"{c['draft']} (tiny)" if c["tiny"] else c["draft"]
     variant = " ".join([c["variant"], *_extra(r)])
-    head = [draft, c["mode"], str(c["accum"]), c["target"], variant]
+    head = [draft, os.path.basename(c["mode"]), str(c["accum"]), c["target"], variant]
     if r["status"] != "ok":
         return head + ["–"] * (len(_COLUMNS) - len(head) - 1) + [r["status"]]
     speedup = r["samples_per_s"] / eager["samples_per_s"] if eager else None  # 1.00 on the eager row
@@ -109,7 +109,7 @@ def _row(r: dict, eager: dict | None) -> list[str]:
     return head + [
         _fmt(r["step_ms_median"]), _fmt(r["samples_per_s"], ".2f"), _fmt(vs_anchor, ".2f"),
         _fmt(speedup, ".2f"),
-        _fmt(r["tokens_per_s"], ",.0f"), _fmt(r["model_tflop_per_step"]), _fmt(r["achieved_tflops"]),
+        _fmt(r["tokens_per_s"], ",.0f"), _fmt(r.get("padding_pct"), ".1f"), _fmt(r["model_tflop_per_step"]), _fmt(r["achieved_tflops"]),
         _fmt(r["mfu_pct"]), _fmt(r["peak_allocated_gib"]), _fmt(r["peak_reserved_gib"]),
         f"{r['data_wait_ms_mean']:.1f} ({r['data_wait_pct']:.1f}%)", _fmt(r["compile_warmup_s"]),
         str(r["recompiles_after_warmup"]), ", ".join(notes),
@@ -137,7 +137,7 @@ def render_report(results: list[dict]) -> str:
     shown = ["dflash"] + [n for n in ("eagle3", "dspark") if n in used]
     for name, a in ((n, ANCHORS[n]) for n in shown):
         anchor_row = [f"SpecForge {name} (anchor)", "varmask", "1", "synthetic", "FSDP1 eager", f"{a['step_ms']:.0f}",
-                      f"{a['samples_per_s']:.2f}", "1.00", "–", f"{a['samples_per_s'] * 2048:,.0f}",
+                      f"{a['samples_per_s']:.2f}", "1.00", "–", f"{a['samples_per_s'] * 2048:,.0f}", "–",
                       f"{a['tflop_per_step']:.1f}", f"{a['tflop_per_step'] / a['step_ms'] * 1e3:.0f}",
                       f"{100 * a['tflop_per_step'] / a['step_ms'] * 1e3 / H200_PEAK_TFLOPS:.1f}",
                       f"{a['peak_gb']} (GB)", "–", "–", "–", "–", a["note"]]

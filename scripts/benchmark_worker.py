@@ -65,6 +65,8 @@ class StepProbe:
     def _timed_train_step(self, micro_batches):
         import torch
 
+        from titan_draft.data.packing import packed_counts
+
         self.sync()
         t0 = time.perf_counter()
         out = self._train_step(micro_batches)
@@ -76,8 +78,10 @@ class StepProbe:
             "compute_s": compute_s,
             "step_s": data_s + compute_s,
             "seq_lens": [int(b["input_ids"].shape[1]) for b in micro_batches],
-            "samples": sum(int(b["input_ids"].shape[0]) for b in micro_batches),
-            "tokens": sum(int(b["valid_lengths"].sum()) for b in micro_batches),
+            # conversations (a packed row holds several) and real tokens (padding left out)
+            "samples": sum(packed_counts(b)[0] for b in micro_batches),
+            "tokens": sum(packed_counts(b)[1] for b in micro_batches),
+            "positions": sum(int(b["input_ids"].numel()) for b in micro_batches),
             "dynamo_frames": dynamo_counter("frames", "total"),
             # read every step: the trainer's metrics logger resets the peak when it logs
             "peak_allocated": torch.cuda.max_memory_allocated() if self.cuda else None,
@@ -106,6 +110,7 @@ def summarize(records: list[dict], warmup: int, steps: int, *, world: int, flops
     data_s = [r["data_s"] for r in steady]
     samples = statistics.mean(r["samples"] for r in steady) * world
     tokens = statistics.mean(r["tokens"] for r in steady) * world
+    positions = statistics.mean(r.get("positions", r["tokens"]) for r in steady) * world
     achieved = flops_per_step / median
     gib = 1024**3
 
@@ -125,6 +130,7 @@ def summarize(records: list[dict], warmup: int, steps: int, *, world: int, flops
         "samples_per_s": samples / median,
         "samples_per_s_per_gpu": samples / median / world,
         "tokens_per_s": tokens / median,
+        "padding_pct": 100.0 * (1.0 - tokens / positions),
         "model_tflop_per_step": flops_per_step / 1e12,
         "achieved_tflops": achieved / 1e12,
         "mfu_pct": 100.0 * achieved / peak_flops if peak_flops else None,

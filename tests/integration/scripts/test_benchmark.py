@@ -520,3 +520,21 @@ def test_benchmark_tiny_dspark(tmp_path):
         r = json.loads((tmp_path / f"tiny-dspark-varmask-acc1-synthetic-{variant}.json").read_text())
         assert r["status"] == "ok" and r["model_tflop_per_step"] > 0 and r["step_ms_median"] > 0
     assert "| dspark (tiny) | varmask | 1 | synthetic | static |" in (tmp_path / "results.md").read_text()
+
+
+def test_real_data_modes_and_padding_figures():
+    """A mode names synthetic rows, the packaged ShareGPT or a chat file; the padding share and the
+    real-token rate come from the records (conversations and real tokens, not row positions)."""
+    from scripts.benchmark import Case, data_source
+    from scripts.benchmark_worker import summarize
+
+    assert data_source("varlen") == "synthetic:varlen" and data_source("sharegpt") == "sharegpt"
+    assert data_source("/data/first.jsonl") == "/data/first.jsonl"
+    case = Case("dflash2", "/data/first.jsonl", 1, "synthetic", "packed", tiny=True)
+    assert case.name == "tiny-dflash2-first-acc1-synthetic-packed"
+    assert "--data.packing" in case.overrides(2, 128, 4, "/tmp/x")
+    rec = {"data_s": 0.0, "compute_s": 0.5, "step_s": 0.5, "samples": 7, "tokens": 192, "positions": 256,
+           "dynamo_frames": 0, "peak_allocated": None, "peak_reserved": None, "seq_lens": [128]}
+    r = summarize([rec] * 3, 1, 2, world=1, flops_per_step=1.0, peak_flops=None)
+    assert r["padding_pct"] == pytest.approx(25.0)
+    assert r["tokens_per_s"] == pytest.approx(384.0) and r["samples_per_s"] == pytest.approx(14.0)
