@@ -58,9 +58,10 @@ TARGETS = {  # name -> target.flavor at (production, tiny) shape
     "online": ("qwen3_8b", "debugmodel"),
 }
 # synthetic rows (fixed: every position real; varmask: a 20-80 % prompt; varlen: lengths from
-# max_length / 8 up), "sharegpt" (the packaged ShareGPT conversations, real lengths), or a path to a
+# max_length / 8 up; first_exchange / conversation: the recorded lengths of ShareGPT's first
+# exchanges / whole conversations, scripts/length_histogram.py), "sharegpt" (the packaged ShareGPT conversations, real lengths), or a path to a
 # chat file (.jsonl/.json, e.g. scripts/regenerate_data.py's output), named by its file name
-MODES = ("fixed", "varmask", "varlen", "sharegpt")
+MODES = ("fixed", "varmask", "varlen", "first_exchange", "conversation", "sharegpt")
 # Each variant adds to the one before it, in this order.
 VARIANTS = {
     "eager": [],  # pad-to-longest, blocks uncompiled (flex_attention itself is always compiled on GPU)

@@ -39,6 +39,31 @@ def _load_benchmark_module():
 # ---- synthetic source ----
 
 
+def test_recorded_length_modes_follow_the_recorded_lengths(tmp_path):
+    """first_exchange / conversation rows take their lengths from the recorded table: re-recorded
+    from ShareGPT with scripts/length_histogram.py, the first rows match the packaged file, and
+    the rows' padded fill at a max_length is the table's (truncation included)."""
+    from titan_draft.data.sources.synthetic import recorded_lengths
+
+    spec = importlib.util.spec_from_file_location("length_histogram", os.path.join(REPO, "scripts",
+                                                                                   "length_histogram.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "first.json"
+    script.main(["--cut", "first_exchange", "--rows", "40", "--out", str(out)])
+    assert [tuple(p) for p in json.loads(out.read_text())["lengths"]] == recorded_lengths("first_exchange")[:40]
+    for mode in ("first_exchange", "conversation"):
+        table = recorded_lengths(mode)
+        assert len(table) == 3000 and all(0 < loss <= n for n, loss in table)
+        rows = [synthetic_sample(mode, 1024, seed=1, row=r) for r in range(1500)]
+        fill = sum(len(ids) for ids, _ in rows) / (1024 * len(rows))
+        want = sum(min(n, 1024) for n, _ in table) / (1024 * len(table))
+        assert fill == pytest.approx(want, abs=0.03)
+        for (ids, mask) in rows[:50]:
+            prompt = mask.index(True)
+            assert all(mask[prompt:]) and not any(mask[:prompt]) and len(ids) - prompt >= 2
+
+
 @pytest.mark.parametrize("mode", ["fixed", "varmask", "varlen"])
 def test_synthetic_sample_modes(mode):
     for row in range(20):

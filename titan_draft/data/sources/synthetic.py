@@ -17,6 +17,10 @@ synthetic *target* (random captured features) is ``titan_draft/features/syntheti
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+
 from typing import Any, Optional
 
 import torch
@@ -34,7 +38,10 @@ __all__ = [
 ]
 
 SYNTHETIC_PREFIX = "synthetic:"
-SYNTHETIC_MODES = ("fixed", "varmask", "varlen")
+# first_exchange / conversation: lengths and loss-token counts drawn from the recorded ShareGPT
+# lengths in lengths/ (scripts/length_histogram.py), truncated to max_length as real rows are
+RECORDED_MODES = ("first_exchange", "conversation")
+SYNTHETIC_MODES = ("fixed", "varmask", "varlen", *RECORDED_MODES)
 DEFAULT_SYNTHETIC_ROWS = 1024
 # The prompt share of a varmask/varlen sample (the seeds' "random 20-80 % prefix").
 PROMPT_FRACTION = (0.2, 0.8)
@@ -56,10 +63,26 @@ def _synthetic_mode(source: str) -> str:
     return mode
 
 
+@functools.lru_cache(maxsize=None)
+def recorded_lengths(mode: str) -> list[tuple[int, int]]:
+    """``(tokens, loss tokens)`` of the rows recorded for a ``RECORDED_MODES`` mode."""
+    path = os.path.join(os.path.dirname(__file__), "lengths", f"{mode}.json")
+    with open(path) as f:
+        return [tuple(pair) for pair in json.load(f)["lengths"]]
+
+
 def synthetic_sample(mode: str, max_length: int, seed: int, row: int, vocab_limit: int = _TOKEN_ID_LIMIT) -> Sample:
     """Row ``row`` of a synthetic source: ``(input_ids, loss_mask)`` as plain lists."""
     g = torch.Generator().manual_seed(hashed_seed("titan_draft.synthetic", seed, row))
     length = max_length
+    if mode in RECORDED_MODES:
+        table = recorded_lengths(mode)
+        total, loss = table[int(torch.randint(len(table), (1,), generator=g))]
+        length = min(total, max_length)
+        ids = torch.randint(0, vocab_limit, (length,), generator=g).tolist()
+        # the answer ends the row; at least two supervised tokens remain after truncation
+        prompt = min(total - loss, length - 2)
+        return ids, [False] * prompt + [True] * (length - prompt)
     if mode == "varlen":
         low = max(2, max_length // 8)
         length = int(torch.randint(low, max_length + 1, (1,), generator=g))
