@@ -21,7 +21,8 @@ def test_trains_resumes_exports_and_decodes(tmp_path, random_target_dir, chat_js
     assert full[6] < full[1]  # it learns something in six steps
 
     tensors, config = load_export(str(tmp_path / "full" / "export"))
-    assert config["architectures"] == ["DSparkDraftModel"] and config["block_size"] == 4
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["block_size"] == 4
+    assert config["dflash_config"]["markov_rank"] == config["markov_rank"]
     assert config["markov_head_type"] == "vanilla" and config["enable_confidence_head"] is True
     assert all(not any(b in k for b in BAD_FRAGMENTS) for k in tensors)
     assert "markov_head.markov_w2.weight" in tensors and "confidence_head.proj.weight" in tensors

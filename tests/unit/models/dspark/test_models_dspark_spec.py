@@ -40,7 +40,8 @@ def test_fqns_are_the_serving_names_and_round_trip(kind):
     sd = _state_dict(args)
     assert set(sd) == set(expected_shapes(args))
     tensors, config = export_dspark(sd, args, TARGET)
-    assert config["architectures"] == ["DSparkDraftModel"] and config["torch_dtype"] == "bfloat16"
+    # SGLang's DSpark class (its DSPARK model's EntryClass), not SpecForge's training class name
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["torch_dtype"] == "bfloat16"
     for key, value in (("markov_rank", 16), ("markov_head_type", kind), ("enable_confidence_head", True),
                        ("confidence_head_with_markov", True), ("block_size", 4), ("mask_token_id", 5),
                        ("target_layer_ids", [1, 3])):
@@ -68,6 +69,7 @@ def test_from_export_reads_nested_fields():
     fields = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
               "block_size", "mask_token_id", "target_layer_ids")
     nested = {k: config.pop(k) for k in fields}
+    del config["dflash_config"]
     config["dspark_config"] = nested
     args, _ = dspark_from_export(tensors, config)
     assert args.markov_rank == 16 and args.target_layer_ids == [1, 3]
