@@ -56,7 +56,8 @@ def _parse(argv):
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i draws from seed + i)")
     p.add_argument("--proposer-option", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument of the draft's proposer (its build_proposer_fn), repeatable; VALUE "
-                        "is read as JSON when it parses (DSpark: confidence_threshold=0.5, decode_as=specforge_spec_generate)")
+                        "is read as JSON when it parses (DSpark: confidence_threshold=0.5, "
+                        "decode_as=specforge_spec_generate)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     return p.parse_args(argv)
 
