@@ -259,3 +259,28 @@ def test_changing_document_a_changes_nothing_for_b_and_c(case):
             mine = keep & (_doc_of(anchors) == i)
             _same_terms(d.forward_with_anchors(f2, anchors, mine), d.forward_with_anchors(f, anchors, mine),
                         f"document {i}")
+
+
+@pytest.mark.parametrize("case", ["dflash2", "dspark_vanilla", "eagle3"])
+def test_rope_positions_restart_at_each_document(case):
+    """RoPE is relative, so absolute positions inside isolated documents would give the same
+    float64 numbers as above: the positions themselves are checked here (what a served draft,
+    starting each conversation at 0, rotates by)."""
+    d, n_aux = _build(case)
+    f = _row(_documents(n_aux), n_aux, seed=9, packed=True)
+    own = torch.cat([torch.arange(n) for n in (*LENGTHS, SEQ - sum(LENGTHS))])  # the tail restarts too
+    seen = []
+    rope = d.rope
+    d.rope = lambda positions, dtype: (seen.append(positions[0].clone()), rope(positions, dtype))[1]
+    with torch.no_grad():
+        if isinstance(d, Eagle3Draft):
+            d(f)
+            assert [p.tolist() for p in seen] == [(own + i).tolist() for i in range(d.args.ttt_steps)]
+            return
+        anchors, keep = _packed_anchors(d, f)
+        d.forward_with_anchors(f, anchors, keep)
+    start = torch.tensor([0, *OFFSETS[1:]])[_doc_of(anchors[0])]
+    block = ((anchors[0] - start)[:, None] + torch.arange(d.args.block_size)).flatten()
+    kept = keep[0].repeat_interleave(d.args.block_size)
+    assert torch.equal(seen[0][kept], block[kept])  # the block queries
+    assert torch.equal(seen[1][:SEQ], own) and torch.equal(seen[1][SEQ:][kept], block[kept])  # context, block keys
