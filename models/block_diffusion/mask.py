@@ -79,8 +79,7 @@ def block_diffusion_tile_classes(
         ctx_partial = ~ctx_full & (hi_reach > kt * tile)
     else:  # each row sees [its document's start, its anchor): O(B * Q * S / T)
         first = torch.where(kept, doc_starts.to(device=device, dtype=torch.long), 0)
-        ctx_partial, ctx_full = interval_tiles(first.repeat_interleave(block_size, dim=1),
-                                               reach.repeat_interleave(block_size, dim=1), tile, nc)
+        ctx_partial, ctx_full = interval_tiles(first, reach, tile, nc, rows_each=block_size)
         ctx_partial, ctx_full = ctx_partial[:, 0], ctx_full[:, 0]
 
     # Block keys: the interval of blocks each tile of rows touches (the same for every sample).
