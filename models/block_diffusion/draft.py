@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from models.block_diffusion.args import BlockDiffusionArgs
 from models.common.attention import build_attention_mask, resolve_attention_backend
-from models.block_diffusion.layers import DraftBlocks, Rope, build_blocks, make_mask_mod
+from models.block_diffusion.documents import anchor_documents, row_spans
+from models.block_diffusion.layers import DraftBlocks, Rope, build_blocks, make_mask_mod, sample_anchors
 from models.block_diffusion.mask import block_diffusion_block_mask
 from models.common.norm import RMSNorm
 from models.common.rope import rope_cos_sin
@@ -88,10 +89,21 @@ class BlockDiffusionDraft(nn.Module):
         # the mixed-precision param dtype (casting to the sharded fp32 dtype would waste memory).
         return self.hidden_norm(self.fc(aux))
 
+    def sample_anchors(self, features: TargetFeatures, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(anchors, keep)`` of a training step (``sample_anchors``; in packed rows an anchor's
+        next token must be in its document)."""
+        a = self.args
+        spans = row_spans(features)
+        return sample_anchors(features.loss_mask, features.valid_lengths, a.num_anchors, a.static_anchors, generator,
+                              ends=None if spans is None else spans[1])
+
     def block_hidden(
         self, features: TargetFeatures, anchors: torch.Tensor, keep: torch.Tensor
     ) -> tuple[torch.Tensor, DraftBlocks]:
-        """Final-norm hidden states of the block rows ``[B, N * b, H]`` and the block tensors."""
+        """Final-norm hidden states of the block rows ``[B, N * b, H]`` and the block tensors.
+
+        Packed rows (``features.document_ids``): each block sees only its anchor's document
+        (``models/block_diffusion/documents.py``), whose context RoPE positions restart at 0."""
         a = self.args
         if self.target_lm_head.shape[0] == 0:
             raise RuntimeError(f"{type(self).__name__}: call load_frozen_tables() before forward")
@@ -103,18 +115,23 @@ class BlockDiffusionDraft(nn.Module):
         ctx = self.context(features.aux_hidden)
         dtype = ctx.dtype  # the compute dtype (bf16 under FSDP2 mixed precision)
         acc_dtype = torch.promote_types(dtype, torch.float32)
+        docs = anchor_documents(row_spans(features), anchors)
         blocks = build_blocks(input_ids, features.loss_mask, features.valid_lengths, anchors, keep, b,
-                              a.mask_token_id, a.loss_gamma, weight_dtype=acc_dtype)
+                              a.mask_token_id, a.loss_gamma, weight_dtype=acc_dtype, docs=docs)
         x = F.embedding(blocks.block_ids, self.target_embed).to(dtype)
-        ctx_pos = torch.arange(seq, device=device).expand(bsz, seq)
+        if docs is None:
+            ctx_pos = torch.arange(seq, device=device).expand(bsz, seq)
+        else:
+            ctx_pos = features.position_ids().expand(bsz, seq)
         rope_q = self.rope(blocks.positions, acc_dtype)
         rope_k = self.rope(torch.cat([ctx_pos, blocks.positions], dim=1), acc_dtype)
-        mask_mod = make_mask_mod(anchors, keep, seq, b)
+        doc_starts = None if docs is None else docs.start
+        mask_mod = make_mask_mod(anchors, keep, seq, b, doc_starts)
         if resolve_attention_backend(a.attn_backend, device) == "flex":
             # The BlockMask from the anchors' tile structure (models/block_diffusion/mask.py), not
             # create_block_mask's dense [B, Q, KV] evaluation; flex still applies mask_mod inside
             # the partial tiles. sdpa: the dense mask.
-            attn_mask = block_diffusion_block_mask(anchors, keep, seq, b, mask_mod=mask_mod)
+            attn_mask = block_diffusion_block_mask(anchors, keep, seq, b, mask_mod=mask_mod, doc_starts=doc_starts)
         else:
             attn_mask = build_attention_mask(mask_mod, bsz, rows, seq + rows, device, a.attn_backend)
         for layer in self.layers.values():

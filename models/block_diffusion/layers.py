@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from models.block_diffusion.documents import AnchorDocuments, clamp_to_document
 from models.common.attention import QKNormProjections, attention
 from models.common.mlp import SwiGLU
 from models.common.norm import RMSNorm
@@ -34,11 +35,15 @@ def sample_anchors(
     num_anchors: int,
     static: bool,
     generator: torch.Generator | None = None,
+    ends: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample block anchors uniformly without replacement -> ``(anchors [B, N], keep [B, N])``.
 
     Candidates are ``t <= S - 2`` with ``loss_mask[t] & loss_mask[t + 1]`` and
-    ``t + 1 < valid_length``. Each candidate gets a random key; the N largest keys win and the
+    ``t + 1 < valid_length``, or, for packed rows (``ends [B, S]`` from
+    ``TargetFeatures.document_spans``), ``t + 1 < ends[t]``: the anchor's next token is in its
+    document. Uniform over a row's candidates, the anchors spread over its documents in
+    proportion to their candidates (a document without loss tokens gets none). Each candidate gets a random key; the N largest keys win and the
     winners are sorted by position. N is ``num_anchors`` when ``static`` (one shape per run),
     else ``min(num_anchors, largest candidate count in the batch)`` (a host sync), at least 1 so
     every rank runs the same graph even on a batch with nothing to learn. Unused slots have
@@ -48,7 +53,8 @@ def sample_anchors(
     device = loss_mask.device
     lm = loss_mask.bool()
     t = torch.arange(max(seq - 1, 0), device=device)
-    cand = lm[:, :-1] & lm[:, 1:] & (t[None, :] + 1 < valid_lengths.to(device)[:, None])
+    limit = valid_lengths.to(device)[:, None] if ends is None else ends[:, :-1].to(device)
+    cand = lm[:, :-1] & lm[:, 1:] & (t[None, :] + 1 < limit)
     if static:
         n = num_anchors
     else:
@@ -88,6 +94,8 @@ class DraftBlocks:
     """[B, N, b] float: keep * [a_n + k < valid_len] * loss_mask[a_n + k], 0 for slot 0."""
     weight: torch.Tensor
     """[B, N, b] float: mask * exp(-(k - 1) / gamma)."""
+    docs: AnchorDocuments | None = None
+    """The anchors' documents in packed rows (None: one document per row)."""
 
 
 def build_blocks(
@@ -100,18 +108,23 @@ def build_blocks(
     mask_token_id: int,
     gamma: float,
     weight_dtype: torch.dtype = torch.float32,
+    docs: AnchorDocuments | None = None,
 ) -> DraftBlocks:
+    """The blocks of ``anchors``; with ``docs`` (packed rows) a block's labels and ``in_range``
+    stop at its anchor's document end and its RoPE positions count from the document start."""
     bsz, seq = input_ids.shape
     n = anchors.shape[1]
     k = torch.arange(block_size, device=input_ids.device)
     pos = anchors[:, :, None] + k  # [B, N, b]
 
     def gather(src: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        return src.gather(1, p.clamp(0, seq - 1).reshape(bsz, -1)).view(bsz, n, block_size)
+        p = p.clamp(0, seq - 1) if docs is None else clamp_to_document(p, docs, seq)
+        return src.gather(1, p.reshape(bsz, -1)).view(bsz, n, block_size)
 
     labels = gather(input_ids, pos)
     prev = gather(input_ids, pos - 1)
-    in_range = pos < valid_lengths.to(pos.device)[:, None, None]
+    end = valid_lengths.to(pos.device)[:, None, None] if docs is None else docs.end[:, :, None]
+    in_range = pos < end
     supervised = keep[:, :, None] & in_range & gather(loss_mask.bool(), pos) & (k >= 1)
     mask = supervised.to(weight_dtype)
     decay = torch.exp(-(k.to(weight_dtype) - 1) / gamma)
@@ -120,26 +133,32 @@ def build_blocks(
         anchors=anchors,
         keep=keep,
         block_ids=block_ids.view(bsz, -1),
-        positions=pos.view(bsz, -1),
+        positions=pos.view(bsz, -1) if docs is None else (docs.position(anchors)[:, :, None] + k).view(bsz, -1),
         labels=labels,
         prev=prev,
         mask=mask,
         weight=mask * decay,
+        docs=docs,
     )
 
 
-def make_mask_mod(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int):
+def make_mask_mod(anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int,
+                  doc_starts: torch.Tensor | None = None):
     """flex ``mask_mod`` over ``Q_LEN = N * b`` block rows and ``KV_LEN = S + N * b`` keys.
 
     Query ``q`` (block ``n = q // b``) sees context key ``kv < S`` iff ``kv < a_n`` (strictly:
     at inference the anchor's own target feature does not exist yet) and the block is kept,
     and block key ``kv >= S`` iff it is in its own block (bidirectional). Padded blocks thus
-    see only themselves: no empty rows, and their loss weight is 0.
+    see only themselves: no empty rows, and their loss weight is 0. In packed rows
+    (``doc_starts [B, N]``, each anchor's document start) the context also starts there:
+    ``doc_starts[n] <= kv < a_n``.
     """
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = q_idx // block_size
         see_context = (kv_idx < context_len) & (kv_idx < anchors[b, blk]) & keep[b, blk]
+        if doc_starts is not None:
+            see_context = see_context & (kv_idx >= doc_starts[b, blk])
         own_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == blk)
         return see_context | own_block
 

@@ -26,8 +26,14 @@ key tile mixes context and block keys, and no tile is cut by a sequence end. For
   possible for ``b >= T``). Blocks straddling a tile edge (``b`` not dividing ``T``, as DSpark's
   7) make the neighbouring tiles partial, which the intervals capture.
 
+Packed rows (``doc_starts``: each anchor's document start, ``make_mask_mod``'s): a row sees
+the context keys ``[lo_q, e_q)``, ``lo_q`` its anchor's document start (kept blocks; nothing
+otherwise). The rows of one query tile may lie in several documents, so the context tiles are
+classed row by row (``models/common/document_mask.py``); the block keys are as above.
+
 Anything else (``S`` or ``Q`` not a multiple of ``T``, ``T < 2``) goes through
-``create_block_mask`` itself, never through a guess.
+``create_block_mask`` itself, never through a guess; packed rows are refused there instead (their
+masks are never evaluated densely).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from models.common.document_mask import interval_tiles, packed_tile_error
 from models.common.tile_mask import block_mask_from_tiles
 
 __all__ = ["block_diffusion_block_mask", "block_diffusion_tile_classes"]
@@ -45,11 +52,13 @@ def _covered(context_len: int, q_len: int, tile: int) -> bool:
 
 
 def block_diffusion_tile_classes(
-    anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int, tile: int = 128
+    anchors: torch.Tensor, keep: torch.Tensor, context_len: int, block_size: int, tile: int = 128,
+    doc_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(partial, full)``: bool ``[B, 1, Q/T, (S + Q)/T]`` tile grids of the block-diffusion
-    mask (``Q = N * block_size``) for ``anchors`` / ``keep`` ``[B, N]`` (module docstring).
-    ``context_len`` and ``Q`` must be multiples of ``tile``."""
+    mask (``Q = N * block_size``) for ``anchors`` / ``keep`` ``[B, N]`` and, in packed rows,
+    the anchors' document starts ``doc_starts [B, N]`` (module docstring). ``context_len`` and
+    ``Q`` must be multiples of ``tile``."""
     bsz, n = anchors.shape
     q_len = n * block_size
     if not _covered(context_len, q_len, tile):
@@ -59,13 +68,19 @@ def block_diffusion_tile_classes(
 
     # Context keys: each row's visible prefix length, then its min / max over each query tile.
     # O(B * Q) work on the row grid, against create_block_mask's O(B * Q * KV).
-    reach = torch.where(keep.to(device=device, dtype=torch.bool), anchors.to(torch.long), 0)
-    reach = reach.repeat_interleave(block_size, dim=1).view(bsz, nq, tile)
-    lo_reach = reach.amin(dim=-1)[:, :, None]  # [B, nq, 1]
-    hi_reach = reach.amax(dim=-1)[:, :, None]
-    kt = torch.arange(nc, device=device).view(1, 1, nc)
-    ctx_full = lo_reach >= (kt + 1) * tile
-    ctx_partial = ~ctx_full & (hi_reach > kt * tile)
+    kept = keep.to(device=device, dtype=torch.bool)
+    reach = torch.where(kept, anchors.to(torch.long), 0)
+    if doc_starts is None:
+        reach = reach.repeat_interleave(block_size, dim=1).view(bsz, nq, tile)
+        lo_reach = reach.amin(dim=-1)[:, :, None]  # [B, nq, 1]
+        hi_reach = reach.amax(dim=-1)[:, :, None]
+        kt = torch.arange(nc, device=device).view(1, 1, nc)
+        ctx_full = lo_reach >= (kt + 1) * tile
+        ctx_partial = ~ctx_full & (hi_reach > kt * tile)
+    else:  # each row sees [its document's start, its anchor): O(B * Q * S / T)
+        first = torch.where(kept, doc_starts.to(device=device, dtype=torch.long), 0)
+        ctx_partial, ctx_full = interval_tiles(first, reach, tile, nc, rows_each=block_size)
+        ctx_partial, ctx_full = ctx_partial[:, 0], ctx_full[:, 0]
 
     # Block keys: the interval of blocks each tile of rows touches (the same for every sample).
     t = torch.arange(nq, device=device)
@@ -90,15 +105,21 @@ def block_diffusion_block_mask(
     *,
     mask_mod,
     tile: int = 128,
+    doc_starts: torch.Tensor | None = None,
 ) -> BlockMask:
     """The ``BlockMask`` of the block-diffusion mask (queries: the ``N * block_size`` block rows;
     keys: ``context_len`` context positions, then the block rows) for ``anchors`` / ``keep``
-    ``[B, N]``, on ``anchors``' device, with ``tile x tile`` sparse blocks. ``mask_mod`` must be
-    ``make_mask_mod(anchors, keep, context_len, block_size)``: flex applies it inside the
-    partial tiles, and it is what the fallback evaluates."""
+    ``[B, N]`` (and, packed, the anchors' document starts ``doc_starts``), on ``anchors``'
+    device, with ``tile x tile`` sparse blocks. ``mask_mod`` must be ``make_mask_mod(anchors,
+    keep, context_len, block_size, doc_starts)``: flex applies it inside the partial tiles, and
+    it is what the fallback evaluates."""
     bsz, n = anchors.shape
     q_len = n * block_size
     kv_len = context_len + q_len
+    if doc_starts is not None and not _covered(context_len, q_len, tile):
+        if context_len % tile:
+            raise packed_tile_error("data.max_length", context_len, tile)
+        raise packed_tile_error("model.args.num_anchors * block_size", q_len, tile)
     if not _covered(context_len, q_len, tile):
         # Not covered by the tile rules: a last tile cut short by a sequence end (S or Q not a
         # multiple of the tile; create_block_mask counts the padding outside the sequence as
@@ -106,5 +127,5 @@ def block_diffusion_block_mask(
         # where the tile grid is the dense grid anyway and nothing would be saved. Evaluate the
         # mask densely, as create_block_mask does.
         return create_block_mask(mask_mod, bsz, None, q_len, kv_len, device=anchors.device, BLOCK_SIZE=tile)
-    partial, full = block_diffusion_tile_classes(anchors, keep, context_len, block_size, tile)
+    partial, full = block_diffusion_tile_classes(anchors, keep, context_len, block_size, tile, doc_starts)
     return block_mask_from_tiles(partial, full, tile=tile, mask_mod=mask_mod, q_len=q_len, kv_len=kv_len)

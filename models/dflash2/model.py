@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from models.block_diffusion.layers import BlockDecoderLayer, Rope, sample_anchors
+from models.block_diffusion.layers import BlockDecoderLayer, Rope
 from models.block_diffusion.draft import BlockDiffusionDraft
 from models.dflash2.args import DFlash2Args
 from models.dflash2.conv import GroupedDynamicConv
@@ -74,10 +74,7 @@ class DFlash2Draft(BlockDiffusionDraft):
             self.selector_alpha = float(a.selector_loss_weight)
 
     def forward(self, features: TargetFeatures, *, generator: torch.Generator | None = None) -> DraftOutput:
-        a = self.args
-        anchors, keep = sample_anchors(
-            features.loss_mask, features.valid_lengths, a.num_anchors, a.static_anchors, generator
-        )
+        anchors, keep = self.sample_anchors(features, generator)
         return self.forward_with_anchors(features, anchors, keep)
 
     def forward_with_anchors(self, features: TargetFeatures, anchors: torch.Tensor, keep: torch.Tensor) -> DraftOutput:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from models.block_diffusion.layers import BlockDecoderLayer, sample_anchors
+from models.block_diffusion.documents import anchor_documents, row_spans
+from models.block_diffusion.layers import BlockDecoderLayer
 from models.block_diffusion.draft import BlockDiffusionDraft
 from models.dspark.args import DSparkArgs
 from models.dspark.heads import ConfidenceHead, MarkovHead
@@ -35,18 +36,16 @@ class DSparkDraft(BlockDiffusionDraft):
         pass
 
     def forward(self, features: TargetFeatures, *, generator: torch.Generator | None = None) -> DraftOutput:
-        a = self.args
-        anchors, keep = sample_anchors(
-            features.loss_mask, features.valid_lengths, a.num_anchors, a.static_anchors, generator
-        )
+        anchors, keep = self.sample_anchors(features, generator)
         return self.forward_with_anchors(features, anchors, keep)
 
     def forward_with_anchors(self, features: TargetFeatures, anchors: torch.Tensor, keep: torch.Tensor) -> DraftOutput:
         """Forward for given ``anchors [B, N]`` / ``keep [B, N]`` (as from ``sample_anchors``)."""
         if features.last_hidden is None:
             raise ValueError("DSpark needs the target's final-norm hidden states (needs_last_hidden)")
+        docs = anchor_documents(row_spans(features), anchors)
         early = early_slot_targets(self, features.input_ids, features.loss_mask, features.valid_lengths,
-                                   anchors, keep)
+                                   anchors, keep, docs)
         hidden, blocks = self.block_hidden(features, anchors, keep)
         return dspark_objective(self, hidden, blocks, features.last_hidden, features.input_ids,
                                 features.loss_mask, features.valid_lengths, early)

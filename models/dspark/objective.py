@@ -12,6 +12,10 @@ verified); weight ``w_k = m_k * exp(-k / loss_gamma)``. Loss sum
 ``sum w (ce_w * CE + l1_w * L1 + conf_w * BCE(c, c*))`` with ``c* = 1 - L1 / 2`` (detached): the
 trainer divides it by the global (accumulation and DP reduced) ``sum w``, so each term is
 normalized by the same weight sum, as DeepSpec does.
+
+Packed rows: ``len`` is the end of the anchor's document, and the labels, previous tokens and
+teacher positions of slots past it (weight 0) stay inside the document
+(``models/block_diffusion/documents.py``), so no slot reads another document.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from models.block_diffusion.documents import AnchorDocuments, clamp_to_document
 from models.block_diffusion.layers import DraftBlocks
 from models.dspark.loss import markov_distill, start_teacher_spans
 from titan_draft.protocols.features import DraftOutput
@@ -43,20 +48,25 @@ class SlotTargets:
 
 
 def build_slot_targets(input_ids, loss_mask, valid_lengths, anchors, keep, block_size: int, gamma: float,
-                       dtype: torch.dtype = torch.float32) -> SlotTargets:
+                       dtype: torch.dtype = torch.float32, docs: AnchorDocuments | None = None) -> SlotTargets:
+    """The slots' targets (module docstring); ``docs``: the anchors' documents in packed rows."""
     bsz, seq = input_ids.shape
     n = anchors.shape[1]
     k = torch.arange(block_size, device=input_ids.device)
     pos = anchors[:, :, None] + k  # [B, N, b]: slot k sits at a + k
 
+    def inside(p):
+        return p.clamp(0, seq - 1) if docs is None else clamp_to_document(p, docs, seq)
+
     def gather(src, p):
-        return src.gather(1, p.clamp(0, seq - 1).reshape(bsz, -1)).view(bsz, n, block_size)
+        return src.gather(1, inside(p).reshape(bsz, -1)).view(bsz, n, block_size)
 
     nxt = pos + 1
-    ok = keep[:, :, None] & (nxt < valid_lengths.to(pos.device)[:, None, None]) & gather(loss_mask.bool(), nxt)
+    end = valid_lengths.to(pos.device)[:, None, None] if docs is None else docs.end[:, :, None]
+    ok = keep[:, :, None] & (nxt < end) & gather(loss_mask.bool(), nxt)
     mask = torch.cumprod(ok.to(dtype), dim=-1)
     decay = torch.exp(-k.to(dtype) / gamma)
-    return SlotTargets(labels=gather(input_ids, nxt), prev=gather(input_ids, pos), teacher_pos=pos.clamp(0, seq - 1),
+    return SlotTargets(labels=gather(input_ids, nxt), prev=gather(input_ids, pos), teacher_pos=inside(pos),
                        mask=mask, weight=mask * decay)
 
 
@@ -67,11 +77,12 @@ def teacher_rows(teacher_pos: torch.Tensor, seq: int) -> torch.Tensor:
     return (teacher_pos + seq * torch.arange(bsz, device=teacher_pos.device)[:, None, None]).reshape(-1)
 
 
-def early_slot_targets(draft, input_ids, loss_mask, valid_lengths, anchors, keep):
+def early_slot_targets(draft, input_ids, loss_mask, valid_lengths, anchors, keep, docs: AnchorDocuments | None = None):
     """The slot targets (float32) and the loss chunks' teacher spans, started before the draft's
     layers run: the spans' copy to the host then waits for nothing but these few ops."""
     a = draft.args
-    t = build_slot_targets(input_ids, loss_mask, valid_lengths, anchors, keep, a.block_size, a.loss_gamma)
+    t = build_slot_targets(input_ids, loss_mask, valid_lengths, anchors, keep, a.block_size, a.loss_gamma,
+                           docs=docs)
     spans = start_teacher_spans(teacher_rows(t.teacher_pos, input_ids.shape[1]), t.weight.reshape(-1),
                                 a.ce_chunk_rows)
     return t, spans
@@ -92,7 +103,8 @@ def dspark_objective(draft, hidden: torch.Tensor, blocks: DraftBlocks, last_hidd
     acc = torch.promote_types(hidden.dtype, torch.float32)
     t, spans = early if early is not None else (None, None)
     if t is None or t.weight.dtype != acc:  # float64 references: the targets in their dtype
-        t = build_slot_targets(input_ids, loss_mask, valid_lengths, blocks.anchors, blocks.keep, b, a.loss_gamma, acc)
+        t = build_slot_targets(input_ids, loss_mask, valid_lengths, blocks.anchors, blocks.keep, b, a.loss_gamma, acc,
+                               docs=blocks.docs)
     rows = hidden.reshape(-1, dim)
     feats, prev_emb = draft.markov_head.block_features(hidden.view(bsz * n, b, dim), t.prev.view(bsz * n, b))
     seq = last_hidden.shape[1]

@@ -10,6 +10,12 @@ Loss: ``sum_i decay**i * sum_t mask_i(t) * CE(p_i(t), q_i(t))``, normalized by t
 step-0 supervised positions (the trainer divides by it, reduced over micro-batches and ranks).
 Metrics: per-step accuracy (draft argmax = target argmax) and the simulated acceptance length
 ``1 + sum_k prod_{i <= k} correct_i`` at each step-0 supervised position.
+
+Packed rows (``TargetFeatures.document_ids``): a position's document ``[start, end)`` bounds
+everything. Step 0 attends to ``start <= s <= t`` (the padding tail is a document of its own,
+so no row is empty), RoPE positions restart at each document, ``x_{t+2+i}`` is a target only
+while ``t + 2 + i < end``, and the tokens fed past a document's end (to positions no loss
+reads) are its last token, never the next document's.
 """
 
 from __future__ import annotations
@@ -23,18 +29,31 @@ from models.eagle3.block_mask import ttt_block_mask
 from titan_draft.protocols.features import DraftOutput, TargetFeatures
 
 
-def ttt_mask_mod(seq_len: int, valid_lengths: torch.Tensor):
+def ttt_mask_mod(seq_len: int, valid_lengths: torch.Tensor, starts: torch.Tensor | None = None):
     """flex ``mask_mod`` of any step over ``KV_LEN = (i + 1) * S`` keys (step j's keys at
     ``j * S + s``): step 0's keys causally (``s <= t``, inside the sequence), the later steps'
-    keys only at the query's own position (the chain the query is part of)."""
+    keys only at the query's own position (the chain the query is part of). Packed rows
+    (``starts [B, S]``, each position's document start): step 0's keys causally inside the
+    query's document, ``starts[t] <= s <= t``."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         j = kv_idx // seq_len
         s = kv_idx - j * seq_len
-        causal = (j == 0) & (s <= q_idx) & (s < valid_lengths[b])
+        if starts is None:
+            causal = (j == 0) & (s <= q_idx) & (s < valid_lengths[b])
+        else:
+            causal = (j == 0) & (s <= q_idx) & (s >= starts[b, q_idx])
         return causal | ((j >= 1) & (s == q_idx))
 
     return mask_mod
+
+
+def _shift_in_documents(x: torch.Tensor, k: int, ends: torch.Tensor) -> torch.Tensor:
+    """``y[:, t] = x[:, t + k]`` while ``t + k`` is in ``t``'s document, else its last token
+    (a padding position reads itself)."""
+    pos = torch.arange(x.shape[1], device=x.device)
+    idx = torch.minimum(pos + k, torch.where(ends > pos, ends - 1, pos))
+    return x.gather(1, idx)
 
 
 def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
@@ -103,8 +122,13 @@ def ttt_objective(draft, f: TargetFeatures) -> DraftOutput:
     p, in_vocab, gold = teacher(draft, f.last_hidden, pad=a.ttt_steps)
     positions = torch.arange(seq, device=device).expand(bsz, seq)
     lengths = f.valid_lengths.to(device)
-    valid = lengths[:, None]
-    mask_mod = ttt_mask_mod(seq, lengths)
+    packed = f.document_ids is not None
+    if packed:
+        starts, valid = f.document_spans()  # valid: each position's document end
+        rope_positions = f.position_ids().expand(bsz, seq)
+    else:
+        starts, valid, rope_positions = None, lengths[:, None], positions
+    mask_mod = ttt_mask_mod(seq, lengths, starts)
     # flex: each step's BlockMask from its tile structure (no dense [B, Q, KV] evaluation of the
     # mask_mod, which is still what flex applies inside the partial tiles); sdpa: the dense mask.
     flex = resolve_attention_backend(a.attn_backend, device) == "flex"
@@ -116,10 +140,10 @@ def ttt_objective(draft, f: TargetFeatures) -> DraftOutput:
     m0 = None
     step_terms = _compiled_step_terms if device.type == "cuda" else _step_terms
     for i in range(a.ttt_steps):
-        tokens = _shift(f.input_ids, 1 + i)
-        rope = draft.rope(positions + i, acc_dtype)
+        tokens = _shift_in_documents(f.input_ids, 1 + i, valid) if packed else _shift(f.input_ids, 1 + i)
+        rope = draft.rope(rope_positions + i, acc_dtype)
         if flex:
-            attn_mask = ttt_block_mask(seq, lengths, i, mask_mod=mask_mod)
+            attn_mask = ttt_block_mask(seq, lengths, i, mask_mod=mask_mod, starts=starts)
         else:
             attn_mask = build_attention_mask(mask_mod, bsz, seq, (i + 1) * seq, device, a.attn_backend)
         out, kv = draft.midlayer(draft.embed(tokens, dtype), hidden, rope, past, attn_mask)

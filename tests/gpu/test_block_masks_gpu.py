@@ -72,11 +72,11 @@ def _run(make, n_aux, last_hidden, backend, dense_masks, monkeypatch, backward=T
     create_block_mask (through build_attention_mask), the reference."""
     if dense_masks:
         monkeypatch.setattr(block_draft, "block_diffusion_block_mask",
-                            lambda anchors, keep, seq, b, mask_mod: build_attention_mask(
+                            lambda anchors, keep, seq, b, mask_mod, **_: build_attention_mask(
                                 mask_mod, anchors.shape[0], anchors.shape[1] * b, seq + anchors.shape[1] * b,
                                 anchors.device, "flex"))
         monkeypatch.setattr(objective, "ttt_block_mask",
-                            lambda seq, lengths, i, mask_mod: build_attention_mask(
+                            lambda seq, lengths, i, mask_mod, **_: build_attention_mask(
                                 mask_mod, lengths.shape[0], seq, (i + 1) * seq, lengths.device, "flex"))
     else:
         monkeypatch.undo()
