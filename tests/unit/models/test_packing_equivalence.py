@@ -25,8 +25,8 @@ V, H, SEQ = 61, 32, 48
 LENGTHS = (11, 17, 9)  # then a padding tail of 11
 OFFSETS = (0, 11, 28)
 MASK_TOKEN = V - 1
-BLOCK = dict(vocab_size=V, hidden_size=H, intermediate_size=48, num_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, mask_token_id=MASK_TOKEN, target_layer_ids=[0, 2],
+BLOCK = dict(vocab_size=V, hidden_size=H, intermediate_size=48, num_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=16, mask_token_id=MASK_TOKEN, target_layer_ids=[0, 2],
              num_target_layers=4, ce_chunk_rows=13, attn_backend="sdpa", static_anchors=True)
 
 
@@ -61,7 +61,7 @@ def _dspark(head: str):
 
 def _eagle3():
     args = replace(eagle3_flavors["debugmodel"], vocab_size=V, draft_vocab_size=40, hidden_size=H, intermediate_size=48,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, ttt_steps=4, target_layer_ids=[0, 1, 2],
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, ttt_steps=4, target_layer_ids=[0, 1, 2],
                    num_target_layers=4, attn_backend="sdpa")
     torch.manual_seed(0)
     d = Eagle3Draft(args).double()
