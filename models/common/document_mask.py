@@ -27,7 +27,7 @@ def interval_tiles(lo: torch.Tensor, hi: torch.Tensor, tile: int, kv_tiles: int,
     ``[lo, hi)`` (``lo``, ``hi``: ``[B, M]`` int64, each interval holding for ``rows_each``
     consecutive rows, ``Q = M * rows_each`` a multiple of ``tile``; the key positions are
     ``0 .. kv_tiles * tile - 1``). An empty interval (``lo >= hi``) sees nothing."""
-    bsz, q_len = lo.shape[0], lo.shape[1] * rows_each
+    q_len = lo.shape[1] * rows_each
     if q_len % tile:
         raise ValueError(f"interval_tiles: {q_len} query rows are not a multiple of the tile {tile}")
     k0 = torch.arange(kv_tiles, device=lo.device) * tile

@@ -204,4 +204,4 @@ def test_anchors_of_packed_rows_stay_inside_documents_uniformly():
     assert ((hits[cand] / expected.expand(2, seq)[cand]) - 1).abs().max() < 0.45
     again = sample_anchors(loss, valid, n, True, torch.Generator().manual_seed(3), ends=ends)
     assert all(torch.equal(x, y) for x, y in
-               zip(again, sample_anchors(loss, valid, n, True, torch.Generator().manual_seed(3), ends=ends)))
+               zip(again, sample_anchors(loss, valid, n, True, torch.Generator().manual_seed(3), ends=ends), strict=True))

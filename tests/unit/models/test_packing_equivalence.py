@@ -236,7 +236,7 @@ def test_changing_document_a_changes_nothing_for_b_and_c(case):
     a_end = LENGTHS[0]
     if isinstance(d, Eagle3Draft):
         steps, steps2 = _logits_by_position(d, f), _logits_by_position(d, f2)
-        for k, (x, y) in enumerate(zip(steps, steps2)):
+        for k, (x, y) in enumerate(zip(steps, steps2, strict=True)):
             assert not torch.equal(x[:a_end], y[:a_end])
             assert torch.equal(x[a_end:], y[a_end:]), f"step {k}: B or C's logits moved with A"
         for i in (1, 2):
