@@ -1,5 +1,5 @@
-"""A resumed trainer trains with the values its job states or refuses, and a refusal leaves the
-dump folder as it was; a missing load_step or a folder of damaged checkpoints is one line, said
+"""A resumed trainer trains with the values its job states or refuses (after a NaN stop, "lower the
+lr and run again" runs at the lower lr), and a refusal leaves the dump folder as it was; a missing load_step or a folder of damaged checkpoints is one line, said
 before the target loads."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import shutil
 import pytest
 
 import titan_draft.train as train_module
-from helpers import job_args, run_training
+from helpers import job_args, poison_features
 from titan_draft.checkpoint.integrity import write_integrity_record
 from titan_draft.checkpoint.resume_guard import OPTIMIZER_KEYS, ResumeRefusedError
+from titan_draft.components.nonfinite import NonFiniteError
 from titan_draft.config import ConfigManager
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.train import Trainer
@@ -34,12 +35,19 @@ def _train(argv) -> tuple[dict[int, float], list[float]]:
         destroy_distributed()
 
 
-def test_a_changed_lr_is_refused_leaving_the_folder_or_applied_with_the_flag(tmp_path, chat_jsonl,
-                                                                              random_target_dir):
+def test_after_a_nan_stop_a_lower_lr_is_refused_leaving_the_folder_or_applied_with_the_flag(
+        tmp_path, chat_jsonl, random_target_dir, monkeypatch):
     args = lambda dump, *extra: job_args(dump, chat_jsonl, random_target_dir, *COMMON, *extra)  # noqa: E731
     run, plain = tmp_path / "run", tmp_path / "plain"
-    with pytest.raises(KeyboardInterrupt):
-        run_training(args(run), crash_after_step=2)
+    # the run stops at a non-finite step 3; the usual answer is "lower the lr and run again"
+    trainer = Trainer(ConfigManager().parse_args(args(run)))
+    poison_features(monkeypatch, trainer, {3})
+    try:
+        with pytest.raises(NonFiniteError, match="step 3"):
+            trainer.train()
+    finally:
+        trainer.close()
+        destroy_distributed()
     shutil.copytree(run, plain)
     ckpt = run / "checkpoint"
     shutil.copytree(ckpt / "step-2", ckpt / "step-6")  # a save killed before DCP's .metadata
