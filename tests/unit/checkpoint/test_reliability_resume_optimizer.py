@@ -26,14 +26,15 @@ SAVED = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
 NEW = dict(lr=3e-3, beta1=0.5, beta2=0.9, eps=1e-3, weight_decay=0.2)
 
 
-def _job(opt: dict, warmup: int, steps: int, seed: int = 0):
-    """A draft, its AdamW and schedule, and a manager that records the job's optimizer keys."""
-    o, s = Optimizer(**opt), LRScheduler(warmup_steps=warmup, decay_type="cosine", min_lr_factor=0.1)
+def _job(opt: dict, warmup: int, steps: int, seed: int = 0, implementation: str = "foreach"):
+    """A draft, its AdamW and schedule, and the job's optimizer keys."""
+    o = Optimizer(**opt, implementation=implementation)
+    s = LRScheduler(warmup_steps=warmup, decay_type="cosine", min_lr_factor=0.1)
     torch.manual_seed(seed)
     model = Draft()
     optimizer = build_optimizer(model, o, "cpu")
     sched = build_lr_scheduler(optimizer, s, steps)
-    keys = build_optimizer_keys(SimpleNamespace(optimizer=o, lr_scheduler=s), implementation="foreach",
+    keys = build_optimizer_keys(SimpleNamespace(optimizer=o, lr_scheduler=s), implementation=implementation,
                                 warmup_steps=warmup, total_steps=steps)
     return SimpleNamespace(model=model, opt=optimizer, sched=sched, keys=keys)
 
@@ -136,6 +137,29 @@ def test_the_flag_applies_the_new_settings_to_the_restored_optimizer_and_schedul
     assert _manager(tmp_path, new).save(8)
     again = _job(NEW, warmup=6, steps=30, seed=2)
     assert _manager(tmp_path, again).load() == 8
+
+
+@pytest.mark.parametrize("saved_kernel,new_kernel", [("fused", "for-loop"), ("foreach", "fused")])
+def test_another_adamw_kernel_is_refused_or_applied(tmp_path, saved_kernel, new_kernel):
+    saved = _job(SAVED, warmup=2, steps=20, implementation=saved_kernel)
+    _train(saved, range(1, 3))
+    assert _manager(tmp_path, saved).save(2)
+    with pytest.raises(ResumeRefusedError, match=rf'\(optimizer.implementation "{saved_kernel}" -> "{new_kernel}"\)'):
+        _manager(tmp_path, _job(SAVED, warmup=2, steps=20, seed=1, implementation=new_kernel)).load()
+    new = _job(NEW, warmup=2, steps=20, seed=1, implementation=new_kernel)
+    assert _manager(tmp_path, new, Checkpoint(apply_new_optimizer_settings=True)).load() == 2
+    group = new.opt.param_groups[0]
+    assert (group["fused"], group["foreach"]) == (new_kernel == "fused", new_kernel == "foreach")
+    for step in (3, 4):
+        _grads(new, step)
+        params = list(new.model.parameters())
+        expected = [_adamw(p.detach(), p.grad, new.opt.state[p]["exp_avg"], new.opt.state[p]["exp_avg_sq"],
+                           float(new.opt.state[p]["step"]) + 1, _lr(NEW["lr"], step, warmup=2, total=20),
+                           **{k: NEW[k] for k in NEW if k != "lr"}) for p in params]
+        new.opt.step()
+        new.sched.step()
+        for p, want in zip(params, expected):
+            torch.testing.assert_close(p.detach().double(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_checkpoint_without_recorded_settings_is_said_and_the_flag_still_applies(tmp_path, caplog):
