@@ -18,11 +18,11 @@ from titan_draft.cli import run_cli
 from titan_draft.checkpoint.manager import CheckpointManager, TrainState, resolve_resume_step
 from titan_draft.checkpoint.export import export_draft, exported_step
 from titan_draft.components.float8 import Float8Converter
-from titan_draft.components.lr_scheduler import build_lr_scheduler, resolve_warmup_steps
+from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.metrics import LogWindow, MetricsLogger, StepSums, get_peak_flops, metric_ratios
 from titan_draft.components.model_args import resolve_model_args
 from titan_draft.components.nonfinite import build_nonfinite_guard
-from titan_draft.components.optimizer import build_optimizer, resolve_implementation
+from titan_draft.components.optimizer import build_optimizer
 from titan_draft.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from titan_draft.checkpoint.resume_guard import build_data_keys, build_optimizer_keys
 from titan_draft.components.run_info import build_run_info
@@ -70,8 +70,7 @@ class Trainer:
         set_seed(cfg.training.seed)
         os.makedirs(cfg.job.dump_folder, exist_ok=True)
         self.run_lock = maybe_acquire_run_lock(cfg.job.dump_folder, self.dist.rank == 0)  # before any write
-        # a missing load_step or no checkpoint that verifies: said before the target loads
-        resume_step = resolve_resume_step(cfg.checkpoint, os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder))
+        resume_step = resolve_resume_step(cfg.checkpoint, cfg.job.dump_folder)  # its refusals: before the target
 
         self.spec = get_model_spec(cfg.model.name)
 
@@ -143,14 +142,10 @@ class Trainer:
             dp_rank=self.dp_rank,
             dp_world=self.dp_world,
             data_keys=build_data_keys(cfg, chat=self.chat, dp_world=self.dp_world),
-            optimizer_keys=build_optimizer_keys(
-                cfg, implementation=resolve_implementation(cfg.optimizer.implementation, self.device.type),
-                warmup_steps=resolve_warmup_steps(cfg.lr_scheduler, self.total_steps, warn=False),
-                total_steps=self.total_steps),
+            optimizer_keys=build_optimizer_keys(cfg, self.device.type, self.total_steps),
             resume_step=resume_step,
         )
-        # a resume this job may not make is refused here, before anything in the dump folder is written
-        self.checkpointer.prepare_resume()
+        self.checkpointer.prepare_resume()  # a refused resume: before anything in the dump folder is written
         self.checkpointer.remove_incomplete()
         self.nonfinite = build_nonfinite_guard(cfg.training, self.model, self.checkpointer.describe_last)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device.type)
@@ -349,8 +344,7 @@ class Trainer:
         export of this step is there yet."""
         cfg = self.cfg
         logger.warning(f"nothing to train: resumed at step {start} and the job has {self.total_steps} steps "
-                       "(raise training.steps, with checkpoint.apply_new_optimizer_settings = true as the lr schedule "
-                       "then changes, to train on)")
+                       "(raise training.steps with checkpoint.apply_new_optimizer_settings = true to train on)")
         out_dir = os.path.join(cfg.job.dump_folder, cfg.checkpoint.export_folder)
         if exported_step(out_dir) == start:
             logger.info(f"the export of step {start} is already in {out_dir}")

@@ -2,6 +2,8 @@
 AdamW kernel resumed with another kernel, and back, trains on with this job's settings (checked
 against AdamW written out in float64)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -9,7 +11,7 @@ from torch import nn
 from titan_draft.checkpoint.manager import CheckpointManager, TrainState
 from titan_draft.checkpoint.resume_guard import ResumeRefusedError, build_optimizer_keys
 from titan_draft.components.lr_scheduler import build_lr_scheduler
-from titan_draft.components.optimizer import build_optimizer, resolve_implementation
+from titan_draft.components.optimizer import build_optimizer
 from titan_draft.config.job_config import Checkpoint, LRScheduler, Optimizer
 
 pytestmark = [
@@ -26,9 +28,7 @@ class _Job:
         self.model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).cuda()
         self.opt = build_optimizer(self.model, self.o, "cuda")
         self.sched = build_lr_scheduler(self.opt, self.s, 10)
-        self.keys = build_optimizer_keys(type("Cfg", (), {"optimizer": self.o, "lr_scheduler": self.s}),
-                                         implementation=resolve_implementation(implementation, "cuda"),
-                                         warmup_steps=1, total_steps=10)
+        self.keys = build_optimizer_keys(SimpleNamespace(optimizer=self.o, lr_scheduler=self.s), "cuda", 10)
 
     def manager(self, root, **ckpt) -> CheckpointManager:
         return CheckpointManager(Checkpoint(interval=1, **ckpt), str(root), model=self.model, optimizer=self.opt,

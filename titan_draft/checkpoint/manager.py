@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import time
 import warnings
@@ -45,13 +44,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_draft.checkpoint.errors import CheckpointSaveError, describe_save_failure, remove_partial
-from titan_draft.checkpoint.integrity import (
-    RECORD,
-    broadcast_choice,
-    newest_verified,
-    verify_checkpoint,
-    write_integrity_record,
-)
+from titan_draft.checkpoint.choice import METADATA, global_rank, is_complete, list_steps, resolve_resume_step
+from titan_draft.checkpoint.integrity import RECORD, write_integrity_record
 from titan_draft.checkpoint.states import DataLoaderWrapper, ModelWrapper, OptimizerWrapper, TrainState
 from titan_draft.checkpoint.resume_guard import (
     ResumeRefusedError,
@@ -65,7 +59,7 @@ from titan_draft.config.job_config import Checkpoint as CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointManager", "TrainState", "is_complete"]
+__all__ = ["CheckpointManager", "TrainState", "is_complete", "list_steps", "resolve_resume_step"]
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -73,8 +67,6 @@ LR_SCHEDULER = "lr_scheduler"
 DATALOADER = "dataloader"
 TRAIN_STATE = "train_state"
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_METADATA = ".metadata"
 
 
 @contextmanager
@@ -94,10 +86,6 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _first_refusal(line: str | None) -> str | None:
     """The refusal of the lowest rank that has one, on every rank."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -105,84 +93,6 @@ def _first_refusal(line: str | None) -> str | None:
     lines: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(lines, line)
     return next((x for x in lines if x is not None), None)
-
-
-def is_complete(path: str) -> bool:
-    """A DCP checkpoint folder is complete iff DCP finished it by writing ``.metadata``."""
-    return os.path.isfile(os.path.join(path, _METADATA))
-
-
-def list_steps(folder: str) -> tuple[list[int], list[int]]:
-    """(complete steps, incomplete steps) found in the checkpoint ``folder``, ascending."""
-    if not os.path.isdir(folder):
-        return [], []
-    complete, incomplete = [], []
-    for name in os.listdir(folder):
-        m = _STEP_DIR.match(name)
-        if m is None or not os.path.isdir(os.path.join(folder, name)):
-            continue
-        (complete if is_complete(os.path.join(folder, name)) else incomplete).append(int(m.group(1)))
-    return sorted(complete), sorted(incomplete)
-
-
-def _steps_phrase(folder: str, steps: list[int]) -> str:
-    if not steps:
-        return f"{folder} holds no complete checkpoint"
-    return f"the complete checkpoints in {folder} are " + ", ".join(f"step-{s}" for s in steps)
-
-
-def resolve_resume_step(cfg: CheckpointConfig, folder: str, step: int = -1) -> int | None:
-    """The step to resume from: ``step``, else ``checkpoint.load_step``, else the newest complete
-    checkpoint that verifies; None when there is none (or checkpointing is off). Collective (rank 0
-    hashes, every rank gets its choice); cheap beside a load, so the trainer calls it before the
-    target loads. Raises ResumeRefusedError (one line naming the folder and the steps there) for a
-    requested step that is missing or damaged, and when every checkpoint fails verification."""
-    if not cfg.enable:
-        return None
-    requested = step if step >= 0 else cfg.load_step
-    complete, incomplete = list_steps(folder)
-    step_folder = lambda s: os.path.join(folder, f"step-{s}")  # noqa: E731
-    if requested >= 0:
-        path = step_folder(requested)
-        if not is_complete(path):
-            state = "has no .metadata (an interrupted save)" if os.path.isdir(path) else "does not exist"
-            raise ResumeRefusedError(
-                f"checkpoint step {requested} requested (checkpoint.load_step) but {path} {state}; "
-                f"{_steps_phrase(folder, complete)} (checkpoint.load_step -1 resumes from the newest)")
-        why = broadcast_choice(verify_checkpoint(path) if _global_rank() == 0 else None)
-        if why is not None and os.path.isfile(os.path.join(path, RECORD)):
-            others = [s for s in complete if s != requested]
-            raise ResumeRefusedError(f"checkpoint step {requested} requested but {path} does not verify: {why}; "
-                                     f"{_steps_phrase(folder, others).replace('complete', 'other complete', 1)}")
-        newer = [s for s in complete if s > requested]
-        if newer:
-            logger.warning(
-                "checkpoint: resuming from step %d while newer checkpoints exist (%s); saves at "
-                "those steps will overwrite them and a later resume without load_step picks "
-                "the newest",
-                requested,
-                ", ".join(f"step-{s}" for s in newer),
-            )
-        return requested
-    if incomplete:
-        logger.warning(
-            "checkpoint: skipping incomplete checkpoint(s) without .metadata (interrupted "
-            "save?): %s",
-            ", ".join(step_folder(s) for s in incomplete),
-        )
-    chosen, skipped, verified = broadcast_choice(
-        newest_verified(complete, step_folder) if _global_rank() == 0 else None)
-    if skipped:
-        logger.warning("checkpoint: skipped %s; %s", ", ".join(skipped),
-                       f"resuming from step-{chosen}" if chosen is not None else "no checkpoint left")
-    if chosen is None and skipped:
-        raise ResumeRefusedError(
-            f"checkpoint: none of the {len(skipped)} checkpoint(s) in {folder} verifies "
-            f"({'; '.join(skipped)}); refusing to start over on top of them: move them away to "
-            "start afresh, or set checkpoint.load_step to one of them to see its error")
-    if chosen is not None and not verified:
-        logger.warning("checkpoint: %s has no %s: resuming from it unverified", step_folder(chosen), RECORD)
-    return chosen
 
 
 _UNRESOLVED = object()
@@ -272,12 +182,12 @@ class CheckpointManager:
         if not self.should_save(step, force=force):
             return False
         path = self.step_folder(step)
-        rank = _global_rank()
+        rank = global_rank()
         if rank == 0 and is_complete(path):
             # Overwriting (e.g. after resuming from an earlier load_step): drop the old marker first
             # so that a crash mid-write leaves the folder incomplete instead of silently mixed.
             logger.warning("checkpoint: overwriting existing %s", path)
-            os.remove(os.path.join(path, _METADATA))
+            os.remove(os.path.join(path, METADATA))
             if os.path.exists(os.path.join(path, RECORD)):
                 os.remove(os.path.join(path, RECORD))
         t0 = time.perf_counter()
@@ -326,7 +236,7 @@ class CheckpointManager:
         see :func:`is_complete`); rank 0, at start. No other run can be writing them: the run lock
         of the dump folder keeps out a second trainer, so a checkpoint folder outside the dump
         folder (an absolute ``checkpoint.folder``) is left alone. Returns the removed paths."""
-        if not self.cfg.enable or _global_rank() != 0:
+        if not self.cfg.enable or global_rank() != 0:
             return []
         folder, dump = os.path.realpath(self.folder), os.path.realpath(self._dump_folder)
         paths = [self.step_folder(s) for s in self.list_steps()[1]]
@@ -396,7 +306,7 @@ class CheckpointManager:
         if self._prepared and step < 0:
             return self._resume_step
         if step >= 0 or self._resume_step is _UNRESOLVED:
-            self._resume_step = resolve_resume_step(self.cfg, self.folder, step)
+            self._resume_step = resolve_resume_step(self.cfg, self._dump_folder, step)
         self._prepared, chosen = True, self._resume_step
         self._fresh_data, self._new_settings = False, None
         if chosen is None:

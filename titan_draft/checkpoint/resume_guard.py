@@ -143,10 +143,15 @@ OPTIMIZER_KEYS = "optimizer_keys.json"
 APPLY_FLAG = "checkpoint.apply_new_optimizer_settings"
 
 
-def build_optimizer_keys(cfg, *, implementation: str, warmup_steps: int, total_steps: int) -> dict[str, Any]:
-    """The job's optimizer and schedule settings as they act (the kernel, the warm-up in steps
-    and the schedule's length resolved: ``optimizer.implementation = 'auto'``, ``warmup_ratio`` and
-    ``training.epochs`` count through them)."""
+def build_optimizer_keys(cfg, device_type: str, total_steps: int) -> dict[str, Any]:
+    """The job's optimizer and schedule settings as they act on ``device_type`` over a schedule of
+    ``total_steps``: the kernel and the warm-up in steps resolved (``optimizer.implementation =
+    'auto'`` and ``warmup_ratio`` count through them), the length from ``training.epochs`` too."""
+    from titan_draft.components.lr_scheduler import resolve_warmup_steps
+    from titan_draft.components.optimizer import resolve_implementation
+
+    implementation = resolve_implementation(cfg.optimizer.implementation, device_type)
+    warmup_steps = resolve_warmup_steps(cfg.lr_scheduler, total_steps, warn=False)
     o, s = cfg.optimizer, cfg.lr_scheduler
     return {
         "optimizer.name": o.name.lower(),  # the name is matched without case

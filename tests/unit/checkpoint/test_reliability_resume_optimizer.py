@@ -34,8 +34,7 @@ def _job(opt: dict, warmup: int, steps: int, seed: int = 0, implementation: str 
     model = Draft()
     optimizer = build_optimizer(model, o, "cpu")
     sched = build_lr_scheduler(optimizer, s, steps)
-    keys = build_optimizer_keys(SimpleNamespace(optimizer=o, lr_scheduler=s), implementation=implementation,
-                                warmup_steps=warmup, total_steps=steps)
+    keys = build_optimizer_keys(SimpleNamespace(optimizer=o, lr_scheduler=s), "cpu", steps)
     return SimpleNamespace(model=model, opt=optimizer, sched=sched, keys=keys)
 
 
