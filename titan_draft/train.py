@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from titan_draft.cli import run_cli
-from titan_draft.checkpoint.manager import CheckpointManager, TrainState
+from titan_draft.checkpoint.manager import CheckpointManager, TrainState, resolve_resume_step
 from titan_draft.checkpoint.export import export_draft, exported_step
 from titan_draft.components.float8 import Float8Converter
 from titan_draft.components.lr_scheduler import build_lr_scheduler
@@ -24,7 +24,7 @@ from titan_draft.components.model_args import resolve_model_args
 from titan_draft.components.nonfinite import build_nonfinite_guard
 from titan_draft.components.optimizer import build_optimizer
 from titan_draft.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
-from titan_draft.checkpoint.resume_guard import build_data_keys
+from titan_draft.checkpoint.resume_guard import build_data_keys, build_optimizer_keys
 from titan_draft.components.run_info import build_run_info
 from titan_draft.components.run_lock import maybe_acquire_run_lock
 from titan_draft.components.signals import maybe_handle_stop_signals
@@ -70,6 +70,7 @@ class Trainer:
         set_seed(cfg.training.seed)
         os.makedirs(cfg.job.dump_folder, exist_ok=True)
         self.run_lock = maybe_acquire_run_lock(cfg.job.dump_folder, self.dist.rank == 0)  # before any write
+        resume_step = resolve_resume_step(cfg.checkpoint, cfg.job.dump_folder)  # its refusals: before the target
 
         self.spec = get_model_spec(cfg.model.name)
 
@@ -141,7 +142,11 @@ class Trainer:
             dp_rank=self.dp_rank,
             dp_world=self.dp_world,
             data_keys=build_data_keys(cfg, chat=self.chat, dp_world=self.dp_world),
+            optimizer_keys=build_optimizer_keys(cfg, self.device.type, self.total_steps),
+            resume_step=resume_step,
         )
+        self.checkpointer.prepare_resume()  # a refused resume: before anything in the dump folder is written
+        self.checkpointer.remove_incomplete()
         self.nonfinite = build_nonfinite_guard(cfg.training, self.model, self.checkpointer.describe_last)
         self.metrics = MetricsLogger(cfg.metrics, cfg.job.dump_folder, self.dist.rank, self.device.type)
         self.evaluator = Evaluator(cfg, self.spec, self.model_args, self.target.model, self.tokenizer, self.chat,
@@ -339,7 +344,7 @@ class Trainer:
         export of this step is there yet."""
         cfg = self.cfg
         logger.warning(f"nothing to train: resumed at step {start} and the job has {self.total_steps} steps "
-                       "(raise training.steps to train on)")
+                       "(raise training.steps with checkpoint.apply_new_optimizer_settings = true to train on)")
         out_dir = os.path.join(cfg.job.dump_folder, cfg.checkpoint.export_folder)
         if exported_step(out_dir) == start:
             logger.info(f"the export of step {start} is already in {out_dir}")

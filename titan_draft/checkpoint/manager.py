@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import time
 import warnings
@@ -45,20 +44,22 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_draft.checkpoint.errors import CheckpointSaveError, describe_save_failure, remove_partial
-from titan_draft.checkpoint.integrity import (
-    RECORD,
-    broadcast_choice,
-    newest_verified,
-    verify_checkpoint,
-    write_integrity_record,
-)
+from titan_draft.checkpoint.choice import METADATA, global_rank, is_complete, list_steps, resolve_resume_step
+from titan_draft.checkpoint.integrity import RECORD, write_integrity_record
 from titan_draft.checkpoint.states import DataLoaderWrapper, ModelWrapper, OptimizerWrapper, TrainState
-from titan_draft.checkpoint.resume_guard import ResumeRefusedError, check_data_keys, write_data_keys
+from titan_draft.checkpoint.resume_guard import (
+    ResumeRefusedError,
+    apply_optimizer_keys,
+    check_data_keys,
+    check_optimizer_keys,
+    write_data_keys,
+    write_optimizer_keys,
+)
 from titan_draft.config.job_config import Checkpoint as CheckpointConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointManager", "TrainState", "is_complete"]
+__all__ = ["CheckpointManager", "TrainState", "is_complete", "list_steps", "resolve_resume_step"]
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -66,8 +67,6 @@ LR_SCHEDULER = "lr_scheduler"
 DATALOADER = "dataloader"
 TRAIN_STATE = "train_state"
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_METADATA = ".metadata"
 
 
 @contextmanager
@@ -87,10 +86,6 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _first_refusal(line: str | None) -> str | None:
     """The refusal of the lowest rank that has one, on every rank."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -100,9 +95,7 @@ def _first_refusal(line: str | None) -> str | None:
     return next((x for x in lines if x is not None), None)
 
 
-def is_complete(path: str) -> bool:
-    """A DCP checkpoint folder is complete iff DCP finished it by writing ``.metadata``."""
-    return os.path.isfile(os.path.join(path, _METADATA))
+_UNRESOLVED = object()
 
 
 class CheckpointManager:
@@ -126,14 +119,23 @@ class CheckpointManager:
         dp_rank: int,
         dp_world: int,
         data_keys: dict[str, Any] | None = None,
+        optimizer_keys: dict[str, Any] | None = None,
+        resume_step: Any = _UNRESOLVED,
     ) -> None:
         if cfg.keep_latest_k < 0:
             raise ValueError(f"checkpoint.keep_latest_k must be >= 0, got {cfg.keep_latest_k}")
         self.cfg = cfg
         self.folder = os.path.join(dump_folder, cfg.folder)
+        self._dump_folder = dump_folder
         self.dp_rank = dp_rank
         self.dp_world = dp_world
         self.data_keys = data_keys  # what the saved data position means (resume_guard.py)
+        self.optimizer_keys = optimizer_keys  # the optimizer and schedule settings (resume_guard.py)
+        # the step to resume from, when the caller resolved it already (resolve_resume_step)
+        self._resume_step = resume_step
+        self._prepared = False
+        self._fresh_data = False
+        self._new_settings: list[str] | None = None
         self.states: dict[str, Stateful] = {MODEL: ModelWrapper(model)}
         if optimizer is not None:
             self.states[OPTIMIZER] = OptimizerWrapper(model, optimizer)
@@ -152,16 +154,7 @@ class CheckpointManager:
 
     def list_steps(self) -> tuple[list[int], list[int]]:
         """(complete steps, incomplete steps) found under the checkpoint folder, ascending."""
-        if not os.path.isdir(self.folder):
-            return [], []
-        complete, incomplete = [], []
-        for name in os.listdir(self.folder):
-            m = _STEP_DIR.match(name)
-            if m is None or not os.path.isdir(os.path.join(self.folder, name)):
-                continue
-            step = int(m.group(1))
-            (complete if is_complete(self.step_folder(step)) else incomplete).append(step)
-        return sorted(complete), sorted(incomplete)
+        return list_steps(self.folder)
 
     def describe_last(self) -> str:
         """A phrase naming the newest complete checkpoint on disk (for lines that say what is kept)."""
@@ -189,18 +182,20 @@ class CheckpointManager:
         if not self.should_save(step, force=force):
             return False
         path = self.step_folder(step)
-        rank = _global_rank()
+        rank = global_rank()
         if rank == 0 and is_complete(path):
             # Overwriting (e.g. after resuming from an earlier load_step): drop the old marker first
             # so that a crash mid-write leaves the folder incomplete instead of silently mixed.
             logger.warning("checkpoint: overwriting existing %s", path)
-            os.remove(os.path.join(path, _METADATA))
+            os.remove(os.path.join(path, METADATA))
             if os.path.exists(os.path.join(path, RECORD)):
                 os.remove(os.path.join(path, RECORD))
         t0 = time.perf_counter()
         try:
             if rank == 0 and self.data_keys is not None:
                 write_data_keys(path, self.data_keys)  # before DCP: a complete folder has it
+            if rank == 0 and self.optimizer_keys is not None:
+                write_optimizer_keys(path, self.optimizer_keys)
             with _quiet_single_process():
                 dcp.save(self.states, checkpoint_id=path)
             if rank == 0:
@@ -236,50 +231,28 @@ class CheckpointManager:
 
     # ---- load ---------------------------------------------------------------------------------
 
-    def _resolve_step(self, step: int) -> int | None:
-        """The step to load: ``step``, else ``checkpoint.load_step``, else the newest complete."""
-        requested = step if step >= 0 else self.cfg.load_step
-        complete, incomplete = self.list_steps()
-        if requested >= 0:
-            path = self.step_folder(requested)
-            if not is_complete(path):
-                raise FileNotFoundError(
-                    f"checkpoint step {requested} requested but {path} "
-                    + ("has no .metadata (incomplete save)" if os.path.isdir(path) else "does not exist")
-                )
-            why = broadcast_choice(verify_checkpoint(path) if _global_rank() == 0 else None)
-            if why is not None and os.path.isfile(os.path.join(path, RECORD)):
-                raise RuntimeError(f"checkpoint step {requested} requested but {path} does not verify: {why}")
-            newer = [s for s in complete if s > requested]
-            if newer:
-                logger.warning(
-                    "checkpoint: resuming from step %d while newer checkpoints exist (%s); saves at "
-                    "those steps will overwrite them and a later resume without load_step picks "
-                    "the newest",
-                    requested,
-                    ", ".join(f"step-{s}" for s in newer),
-                )
-            return requested
-        if incomplete:
-            logger.warning(
-                "checkpoint: skipping incomplete checkpoint(s) without .metadata (interrupted "
-                "save?): %s",
-                ", ".join(self.step_folder(s) for s in incomplete),
-            )
-        chosen, skipped, verified = broadcast_choice(
-            newest_verified(complete, self.step_folder) if _global_rank() == 0 else None)
-        if skipped:
-            logger.warning("checkpoint: skipped %s; %s", ", ".join(skipped),
-                           f"resuming from step-{chosen}" if chosen is not None else "no checkpoint left")
-        if chosen is None and skipped:
-            raise RuntimeError(
-                f"checkpoint: none of the {len(skipped)} checkpoint(s) in {self.folder} verifies "
-                f"({'; '.join(skipped)}); refusing to start over on top of them: move them away to "
-                "start afresh")
-        if chosen is not None and not verified:
-            logger.warning("checkpoint: %s has no %s: resuming from it unverified",
-                           self.step_folder(chosen), RECORD)
-        return chosen
+    def remove_incomplete(self) -> list[str]:
+        """Remove the step folders that an interrupted save left (no ``.metadata``: never loaded,
+        see :func:`is_complete`); rank 0, at start. No other run can be writing them: the run lock
+        of the dump folder keeps out a second trainer, so a checkpoint folder outside the dump
+        folder (an absolute ``checkpoint.folder``) is left alone. Returns the removed paths."""
+        if not self.cfg.enable or global_rank() != 0:
+            return []
+        folder, dump = os.path.realpath(self.folder), os.path.realpath(self._dump_folder)
+        paths = [self.step_folder(s) for s in self.list_steps()[1]]
+        if not paths or os.path.commonpath([folder, dump]) != dump:
+            return []
+        removed = []
+        for path in paths:
+            try:
+                shutil.rmtree(path)
+                removed.append(path)
+            except OSError as e:  # disk hygiene must not stop training
+                logger.warning("checkpoint: could not remove the incomplete %s: %s", path, e)
+        if removed:
+            logger.info("checkpoint: removed incomplete checkpoint folder(s) left by an interrupted save: %s",
+                        ", ".join(removed))
+        return removed
 
     def _saved_dp_world(self, path: str) -> int:
         """The DP size the checkpoint's dataloader state was saved with."""
@@ -324,8 +297,47 @@ class CheckpointManager:
         if first is not None:  # the lowest refusing rank's line everywhere: one line in the log
             raise ResumeRefusedError(first) from refusal
 
+    def prepare_resume(self, step: int = -1) -> int | None:
+        """Choose the checkpoint to resume from and decide whether this job may resume it, before
+        the model and optimizer are read and before the trainer writes anything: the data keys and
+        the optimizer and schedule settings are compared (resume_guard.py) and the data position
+        is loaded (small; it may refuse another DP size). Collective. Returns the chosen step
+        (None: nothing to resume); raises ResumeRefusedError naming every key a refusal is about."""
+        if self._prepared and step < 0:
+            return self._resume_step
+        if step >= 0 or self._resume_step is _UNRESOLVED:
+            self._resume_step = resolve_resume_step(self.cfg, self._dump_folder, step)
+        self._prepared, chosen = True, self._resume_step
+        self._fresh_data, self._new_settings = False, None
+        if chosen is None:
+            return None
+        path = self.step_folder(chosen)
+        refusals = []
+        try:
+            self._fresh_data = check_data_keys(path, self.data_keys, self.cfg.reset_data_position)
+        except ResumeRefusedError as e:
+            refusals.append(str(e))
+        try:
+            self._new_settings = check_optimizer_keys(path, self.optimizer_keys,
+                                                      self.cfg.apply_new_optimizer_settings)
+        except ResumeRefusedError as e:
+            refusals.append(str(e))
+        if refusals:  # both at once: a user fixing one should not meet the other on the next start
+            self._prepared = False
+            raise ResumeRefusedError("; and ".join(refusals))
+        if DATALOADER in self.states and not self._fresh_data:
+            try:
+                self._load_data_position(path, self.states[DATALOADER])
+            except BaseException:
+                self._prepared = False
+                raise
+        return chosen
+
     def load(self, step: int = -1) -> int:
-        """Restore the state from ``step`` (or ``checkpoint.load_step``, or the newest complete).
+        """Restore the state from ``step`` (or ``checkpoint.load_step``, or the newest complete);
+        :meth:`prepare_resume` first, unless it ran already. With
+        ``checkpoint.apply_new_optimizer_settings`` and other settings than the saved ones, this
+        job's replace them in the restored optimizer and schedule.
 
         Collective: every rank calls it. Returns the loaded step, 0 when there is nothing to load.
         Raises, naming the folder, when the checkpoint is corrupt or does not match this run;
@@ -333,15 +345,12 @@ class CheckpointManager:
         """
         if not self.cfg.enable:
             return 0
-        chosen = self._resolve_step(step)
+        chosen = self.prepare_resume(step)
         if chosen is None:
             logger.info("checkpoint: nothing to resume from in %s", self.folder)
             return 0
         path = self.step_folder(chosen)
-        fresh_data = check_data_keys(path, self.data_keys, self.cfg.reset_data_position)
         t0 = time.perf_counter()
-        if DATALOADER in self.states and not fresh_data:
-            self._load_data_position(path, self.states[DATALOADER])
         states = {k: v for k, v in self.states.items() if k != DATALOADER}
         try:
             with _quiet_single_process():
@@ -352,6 +361,10 @@ class CheckpointManager:
                 f"checkpoint {path} could not be loaded (corrupt, or saved by a different "
                 f"model/optimizer configuration): {_describe(e)}"
             ) from e
+        if self._new_settings is not None and OPTIMIZER in self.states:
+            apply_optimizer_keys(self.states[OPTIMIZER].optimizer, self.states.get(LR_SCHEDULER),
+                                 self.optimizer_keys, self._new_settings)
         self._last_saved_step = chosen
+        self._prepared, self._resume_step = False, _UNRESOLVED  # a later load chooses afresh
         logger.info("checkpoint: loaded %s in %.2f s", path, time.perf_counter() - t0)
         return chosen

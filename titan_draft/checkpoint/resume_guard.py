@@ -15,6 +15,11 @@ covered by the integrity record), and a resume compares it with the job's:
 - different: refuse, naming every key with its saved and its new value; or, with
   ``checkpoint.reset_data_position``, resume the weights, optimizer, lr schedule and step and start
   the data afresh (epoch 0, row 0), saying so.
+
+The optimizer and the lr schedule get the same treatment from ``optimizer_keys.json`` (the second
+half of this file): another lr, beta, eps, weight decay, kernel, warm-up, decay or schedule length
+is refused, naming the keys, or applied to the restored optimizer and schedule with
+``checkpoint.apply_new_optimizer_settings``, one log line per key with its old and new value.
 """
 
 from __future__ import annotations
@@ -124,3 +129,95 @@ def check_data_keys(path: str, keys: dict[str, Any] | None, reset: bool) -> bool
     logger.warning("checkpoint: %s; checkpoint.reset_data_position: resuming the weights, optimizer and "
                    "step, the data starts from the beginning", changes)
     return True
+
+
+# ---- the optimizer and the lr schedule ------------------------------------------------------------
+#
+# A load replaces the optimizer's param groups with the saved ones (lr, betas, eps, weight decay,
+# kernel flags) and the schedule's base lr with the saved peak, while the schedule's curve (warm-up,
+# decay, length) is rebuilt from the job. Left alone, a changed setting would either be dropped
+# without a word or bend the curve mid-run; so the checkpoint records them in ``optimizer_keys.json``
+# and a resume under other values is refused, or applied with checkpoint.apply_new_optimizer_settings.
+
+OPTIMIZER_KEYS = "optimizer_keys.json"
+APPLY_FLAG = "checkpoint.apply_new_optimizer_settings"
+
+
+def build_optimizer_keys(cfg, device_type: str, total_steps: int) -> dict[str, Any]:
+    """The job's optimizer and schedule settings as they act on ``device_type`` over a schedule of
+    ``total_steps``: the kernel and the warm-up in steps resolved (``optimizer.implementation =
+    'auto'`` and ``warmup_ratio`` count through them), the length from ``training.epochs`` too."""
+    from titan_draft.components.lr_scheduler import resolve_warmup_steps
+    from titan_draft.components.optimizer import resolve_implementation
+
+    implementation = resolve_implementation(cfg.optimizer.implementation, device_type)
+    warmup_steps = resolve_warmup_steps(cfg.lr_scheduler, total_steps, warn=False)
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    return {
+        "optimizer.name": o.name.lower(),  # the name is matched without case
+        "optimizer.implementation": implementation,
+        "optimizer.lr": o.lr,
+        "optimizer.beta1": o.beta1,
+        "optimizer.beta2": o.beta2,
+        "optimizer.eps": o.eps,
+        "optimizer.weight_decay": o.weight_decay,
+        "lr_scheduler.warmup_steps": warmup_steps,
+        "lr_scheduler.decay_type": s.decay_type,
+        "lr_scheduler.min_lr_factor": s.min_lr_factor,
+        "training.steps": total_steps,
+    }
+
+
+def write_optimizer_keys(path: str, keys: dict[str, Any]) -> None:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, OPTIMIZER_KEYS), "w") as f:
+        json.dump(keys, f, indent=1)
+
+
+def check_optimizer_keys(path: str, keys: dict[str, Any] | None, apply: bool) -> list[str] | None:
+    """Compare the checkpoint ``path``'s optimizer and schedule settings with this job's ``keys``.
+    Returns the lines that say what changes when this job's values are to replace the restored
+    ones (``apply`` and a difference), else None. Raises ResumeRefusedError naming the keys on a
+    difference without ``apply``."""
+    if keys is None:
+        return None
+    file = os.path.join(path, OPTIMIZER_KEYS)
+    if not os.path.isfile(file):
+        logger.warning("checkpoint: %s has no %s (an older version saved it): its optimizer and lr schedule "
+                       "settings cannot be compared with this job's; %s", path, OPTIMIZER_KEYS,
+                       f"{APPLY_FLAG}: this job's are applied" if apply else
+                       f"the saved ones are restored (set {APPLY_FLAG} = true to apply this job's)")
+        return [f"{k} (saved value unknown) -> {_short(v)}" for k, v in keys.items()] if apply else None
+    with open(file) as f:
+        saved = json.load(f)
+    diff = [k for k in keys if saved.get(k) != keys[k]]
+    if not diff:
+        return None
+    changes = [f"{k} {_short(saved.get(k))} -> {_short(keys[k])}" for k in diff]
+    if not apply:
+        raise ResumeRefusedError(
+            f"checkpoint {path}: this job changes the optimizer or lr schedule it was saved with "
+            f"({', '.join(changes)}); resume with the saved values, or set {APPLY_FLAG} = true to restore the "
+            "weights, Adam moments, step and data position and train on with this job's values")
+    return changes
+
+
+def apply_optimizer_keys(optimizer, lr_scheduler, keys: dict[str, Any], changes: list[str]) -> None:
+    """Put this job's settings (``keys``) into the just restored ``optimizer`` and ``lr_scheduler``
+    and log each change (``changes``, from :func:`check_optimizer_keys`) on a line of its own."""
+    from titan_draft.components.optimizer import apply_optimizer_settings
+
+    before = lr_scheduler.get_last_lr()[0] if lr_scheduler is not None else None
+    apply_optimizer_settings(optimizer, betas=(keys["optimizer.beta1"], keys["optimizer.beta2"]),
+                             eps=keys["optimizer.eps"], weight_decay=keys["optimizer.weight_decay"],
+                             implementation=keys["optimizer.implementation"])
+    if lr_scheduler is not None:
+        lr_scheduler.set_peak_lr(keys["optimizer.lr"])
+    else:  # no schedule: the peak is the lr
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] = keys["optimizer.lr"]
+    for line in changes:
+        logger.warning("checkpoint: %s: %s", APPLY_FLAG, line)
+    if lr_scheduler is not None:
+        logger.warning("checkpoint: %s: the next step's lr is %g (the saved schedule had %g)", APPLY_FLAG,
+                       lr_scheduler.get_last_lr()[0], before)

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 _DECAY_TYPES = ("cosine", "linear", "constant")
 
 
-def resolve_warmup_steps(cfg: LRSchedulerConfig, total_steps: int) -> int:
+def resolve_warmup_steps(cfg: LRSchedulerConfig, total_steps: int, *, warn: bool = True) -> int:
     """Warm-up length in optimizer steps (``warmup_steps``, or ``warmup_ratio`` of the total)."""
     if cfg.warmup_steps >= 0:
         warmup = cfg.warmup_steps
@@ -35,7 +35,7 @@ def resolve_warmup_steps(cfg: LRSchedulerConfig, total_steps: int) -> int:
                 f"lr_scheduler.warmup_ratio must be in [0, 1], got {cfg.warmup_ratio}"
             )
         warmup = int(cfg.warmup_ratio * total_steps)
-    if warmup > total_steps:
+    if warmup > total_steps and warn:
         # Common in smoke runs (--training.steps 5 over a recipe's TOML); training still works,
         # the peak lr is simply never reached, and the log says so.
         logger.warning(
@@ -84,6 +84,21 @@ class WarmupDecayLR(LambdaLR):
                 group["lr"].fill_(lr)
             else:
                 group["lr"] = lr
+
+
+    def set_peak_lr(self, lr: float) -> None:
+        """Rebase a restored schedule on the peak ``lr``: a load puts the saved base lrs back,
+        while the curve (warm-up, decay, length) is always this job's, since it is rebuilt from
+        the config and never restored. The next step's lr is then this job's curve at the
+        resumed step."""
+        self.base_lrs = [lr] * len(self.optimizer.param_groups)
+        self._last_lr = [base * fn(self.last_epoch) for base, fn in zip(self.base_lrs, self.lr_lambdas)]
+        for group, last in zip(self.optimizer.param_groups, self._last_lr):
+            group["initial_lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(last)
+            else:
+                group["lr"] = last
 
 
 def build_lr_scheduler(

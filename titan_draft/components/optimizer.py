@@ -19,8 +19,8 @@ logger = logging.getLogger(__name__)
 _IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 
 
-def _implementation_kwargs(implementation: str, device_type: str) -> dict[str, bool]:
-    """Map optimizer.implementation to AdamW's ``fused`` / ``foreach`` flags."""
+def resolve_implementation(implementation: str, device_type: str) -> str:
+    """The AdamW kernel ``optimizer.implementation`` stands for on ``device_type``."""
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(
             f"unknown optimizer.implementation {implementation!r}; "
@@ -29,12 +29,31 @@ def _implementation_kwargs(implementation: str, device_type: str) -> dict[str, b
     if implementation == "auto":
         # fused is the fastest on CUDA (one kernel for all params); on CPU foreach is the
         # well-trodden path and the fused CPU kernel gains little for draft-sized models.
-        implementation = "fused" if device_type == "cuda" else "foreach"
-    if implementation == "fused":
-        return {"fused": True, "foreach": False}
-    if implementation == "foreach":
-        return {"fused": False, "foreach": True}
-    return {"fused": False, "foreach": False}
+        return "fused" if device_type == "cuda" else "foreach"
+    return implementation
+
+
+def _implementation_kwargs(implementation: str, device_type: str) -> dict[str, bool]:
+    """Map optimizer.implementation to AdamW's ``fused`` / ``foreach`` flags."""
+    resolved = resolve_implementation(implementation, device_type)
+    return {"fused": resolved == "fused", "foreach": resolved == "foreach"}
+
+
+def apply_optimizer_settings(optimizer: torch.optim.Optimizer, *, betas: tuple[float, float], eps: float,
+                             weight_decay: float, implementation: str) -> None:
+    """Put this job's AdamW settings into an optimizer whose state was just restored: a load
+    replaces the param groups with the saved ones, settings included. The lr is the schedule's
+    (``WarmupDecayLR.set_peak_lr``). ``implementation``: a resolved kernel name."""
+    flags = _implementation_kwargs(implementation, "cpu")
+    for group in optimizer.param_groups:
+        group.update(betas=tuple(betas), eps=eps, weight_decay=weight_decay, **flags)
+        on_device = flags["fused"] or bool(group.get("capturable"))
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if isinstance(state.get("step"), torch.Tensor):
+                # AdamW keeps its step count on the parameter's device for the fused and capturable
+                # kernels and on the CPU otherwise; a restored count sits where the saved kernel wanted it
+                state["step"] = state["step"].to(device=p.device if on_device else "cpu", dtype=torch.float32)
 
 
 def build_optimizer(

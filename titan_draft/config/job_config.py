@@ -249,6 +249,14 @@ class Checkpoint:
     training.local_batch_size, grad_accum_steps, seed, or the DP size): the weights, optimizer,
     lr schedule and step are restored and the data starts from the beginning. Without it such a
     resume is refused, naming the keys."""
+    apply_new_optimizer_settings: bool = False
+    """Resume from a checkpoint saved under other optimizer or lr schedule settings (optimizer.name,
+    implementation, lr, beta1, beta2, eps, weight_decay; lr_scheduler.warmup_steps or warmup_ratio,
+    decay_type, min_lr_factor; the schedule's length from training.steps or epochs): the weights,
+    Adam moments, step and data position are restored, then this job's values replace the saved
+    ones in the optimizer and the lr schedule (the lr goes on from this job's curve at the resumed
+    step), each logged with its old and new value. Without it such a resume is refused, naming the
+    keys."""
     export: bool = True
     """At the end, export the draft as safetensors + config.json in the serving contract."""
     export_folder: str = "export"

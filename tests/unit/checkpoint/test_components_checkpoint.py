@@ -11,6 +11,7 @@ from torch import nn
 
 from helpers import spawn_ranks
 from titan_draft.checkpoint.manager import CheckpointManager, TrainState
+from titan_draft.checkpoint.resume_guard import ResumeRefusedError
 from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.optimizer import build_optimizer
 from titan_draft.config.job_config import Checkpoint, LRScheduler, Optimizer
@@ -127,8 +128,14 @@ def test_newest_complete_is_loaded_and_incomplete_skipped(tmp_path, caplog):
     explicit = _parts(seed=1)
     assert _manager(tmp_path, explicit, Checkpoint(load_step=2)).load() == 2
     assert explicit[4].step == 2
-    with pytest.raises(FileNotFoundError, match="step-6"):
+    # a requested step that is not a complete checkpoint: one line naming the folder and the steps there
+    with pytest.raises(ResumeRefusedError, match=r"^checkpoint step 6 requested \(checkpoint.load_step\) but "
+                       r".*step-6 has no .metadata \(an interrupted save\); the complete checkpoints in "
+                       r".*checkpoint are step-2, step-4 \(checkpoint.load_step -1 resumes from the newest\)$"):
         _manager(tmp_path, _parts(), Checkpoint(load_step=6)).load()
+    with pytest.raises(ResumeRefusedError, match=r"step-7 does not exist; the complete checkpoints in .* are "
+                                                 r"step-2, step-4 "):
+        _manager(tmp_path, _parts(), Checkpoint(load_step=7)).load()
 
 
 def test_nothing_to_load_returns_zero(tmp_path):

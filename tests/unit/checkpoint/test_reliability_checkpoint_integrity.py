@@ -11,6 +11,7 @@ import os
 import pytest
 
 from titan_draft.checkpoint.integrity import RECORD, verify_checkpoint
+from titan_draft.checkpoint.resume_guard import ResumeRefusedError
 from titan_draft.config.job_config import Checkpoint
 from test_components_checkpoint import _assert_same, _manager, _parts, _train
 
@@ -66,7 +67,8 @@ def test_resume_passes_over_damaged_checkpoints(tmp_path, caplog):
     assert sorted(os.listdir(root)) == ["step-2", "step-4", "step-6"]  # nothing is deleted
 
     # an explicitly requested damaged step is refused, not replaced by another
-    with pytest.raises(RuntimeError, match=r"checkpoint step 4 requested but .*step-4 does not verify"):
+    with pytest.raises(ResumeRefusedError, match=r"checkpoint step 4 requested but .*step-4 does not verify: .*; "
+                                                 r"the other complete checkpoints in .* are step-2, step-6$"):
         _manager(tmp_path, _parts(), Checkpoint(load_step=4)).load()
 
 
@@ -83,7 +85,7 @@ def test_no_checkpoint_verifies_is_an_error_not_a_fresh_start(tmp_path):
     root, _ = _saved_run(tmp_path, steps=(2,))
     with open(_shard(root / "step-2"), "r+b") as f:
         f.truncate(10)
-    with pytest.raises(RuntimeError, match=r"none of the 1 checkpoint\(s\) in .* verifies \(step-2 \("):
+    with pytest.raises(ResumeRefusedError, match=r"none of the 1 checkpoint\(s\) in .* verifies \(step-2 \("):
         _manager(tmp_path, _parts()).load()
 
 
