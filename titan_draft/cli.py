@@ -14,6 +14,7 @@ import sys
 from typing import Callable
 
 from titan_draft.checkpoint.errors import CheckpointSaveError
+from titan_draft.components.disk_full import DiskFullError, disk_full_line, error_path, is_disk_full
 from titan_draft.components.nonfinite import NonFiniteError
 from titan_draft.features.offline import check_feature_cache
 from titan_draft.components.preflight import check_job_before_loading
@@ -25,7 +26,7 @@ from titan_draft.data.worker_errors import DataWorkerError
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.logger import init_logger, logger
 
-RUN_ERRORS = (RunLockError, NonFiniteError, DataWorkerError, CheckpointSaveError, ResumeRefusedError)
+RUN_ERRORS = (RunLockError, NonFiniteError, DataWorkerError, CheckpointSaveError, ResumeRefusedError, DiskFullError)
 
 
 def _fail(e: BaseException, status: int):
@@ -51,14 +52,29 @@ def run_cli(build_trainer: Callable, argv: list[str] | None = None) -> None:
         trainer = build_trainer(cfg)
     except RUN_ERRORS as e:
         _fail(e, 1)
+    except Exception as e:
+        _fail_if_disk_full(e, cfg)
+        raise
     try:
-        trainer.train()
-        if trainer.stop_line:  # a stop signal: exit 0, the last line says where to resume
-            print(f"titan_draft: {trainer.stop_line}", file=sys.stderr)
-    except RUN_ERRORS as e:
-        _fail(e, 1)
-    finally:
         try:
-            trainer.close()
+            trainer.train()
+            if trainer.stop_line:  # a stop signal: exit 0, the last line says where to resume
+                print(f"titan_draft: {trainer.stop_line}", file=sys.stderr)
+        except RUN_ERRORS as e:
+            _fail(e, 1)
         finally:
-            destroy_distributed()
+            try:
+                trainer.close()
+            finally:
+                destroy_distributed()
+    except Exception as e:
+        _fail_if_disk_full(e, cfg)
+        raise
+
+
+def _fail_if_disk_full(e: Exception, cfg) -> None:
+    """A full disk met outside the save and the export (the run lock, run_info.json, the log,
+    TensorBoard's event file) is one line too; checkpoints already written are untouched."""
+    if is_disk_full(e):
+        path = error_path(e) or cfg.job.dump_folder
+        _fail(f"writing {path} failed: {disk_full_line(path)}; the checkpoints already saved are kept", 1)

@@ -16,7 +16,7 @@ from torch.profiler import record_function
 
 from titan_draft.cli import run_cli
 from titan_draft.checkpoint.manager import CheckpointManager, TrainState
-from titan_draft.checkpoint.export import export_draft, exported_step
+from titan_draft.checkpoint.export import build_target_record, export_draft, exported_step
 from titan_draft.components.float8 import Float8Converter
 from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.metrics import LogWindow, MetricsLogger, StepSums, get_peak_flops, metric_ratios
@@ -331,6 +331,7 @@ class Trainer:
             dtype=cfg.checkpoint.export_dtype,
             extra_config={"step": self.train_state.step, "run": self.run_info},
             is_rank0=self.dist.rank == 0,
+            target_record=build_target_record(self.target.model, self.target.args, self.target.family),
         )
         logger.info(f"exported draft to {out_dir}")
 
