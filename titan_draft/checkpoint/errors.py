@@ -14,7 +14,8 @@ import errno
 import os
 import shutil
 
-from titan_draft.components.disk_full import chained_errors, disk_full_line, free_bytes, human_bytes, is_disk_full, tree_bytes
+from titan_draft.components.disk_full import (chained_errors, disk_full_line, free_bytes, human_bytes, is_disk_full,
+                                               tree_bytes)
 
 
 class CheckpointSaveError(RuntimeError):

@@ -9,12 +9,12 @@ import os
 
 import pytest
 import torch
+from helpers import job_args
 from safetensors import SafetensorError
 from torch import nn
 
 import titan_draft.checkpoint.export as export_module
 import titan_draft.train as train_module
-from helpers import job_args
 from titan_draft.components.disk_full import DiskFullError, is_disk_full, mount_of
 from titan_draft.components.run_lock import maybe_acquire_run_lock
 
@@ -40,7 +40,7 @@ def test_disk_full_when_taking_the_run_lock(capsys, monkeypatch, chat_jsonl, ran
     monkeypatch.setattr(train_module, "Trainer", lambda cfg: maybe_acquire_run_lock(cfg.job.dump_folder, True))
     monkeypatch.setattr(os, "fsync", fsync)
     line = _main_fails(capsys, job_args(dump, chat_jsonl, random_target_dir))
-    device, mount = mount_of(str(dump))
+    device, _ = mount_of(str(dump))
     assert line.startswith(f"writing {dump} failed: disk full on {device}"), line
     assert " free, more needed); the checkpoints already saved are kept" in line, line
 
