@@ -232,6 +232,17 @@ def exported_step(folder: str) -> int | None:
         return None
 
 
+def recorded_target(folder: str) -> dict | None:
+    """The target record (:func:`build_target_record`) an export folder keeps, None when it
+    keeps none (a DCP step folder, an export written before the record existed, another tool's)."""
+    try:
+        with open(os.path.join(folder, PROVENANCE_NAME)) as f:
+            record = json.load(f).get("target")
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def load_export(folder: str) -> tuple[dict[str, torch.Tensor], dict]:
     """Read an export back: (tensors from model.safetensors, config.json as a dict)."""
     weights_path = os.path.join(folder, WEIGHTS_NAME)
