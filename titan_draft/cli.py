@@ -21,7 +21,7 @@ from titan_draft.components.preflight import check_job_before_loading
 from titan_draft.checkpoint.resume_guard import ResumeRefusedError
 from titan_draft.components.run_lock import RunLockError
 from titan_draft.features.target import check_target_config
-from titan_draft.config import ConfigManager, validate_job_config
+from titan_draft.config import ConfigManager, validate_job_config, validate_launch
 from titan_draft.data.worker_errors import DataWorkerError
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.logger import init_logger, logger
@@ -43,6 +43,7 @@ def run_cli(build_trainer: Callable, argv: list[str] | None = None) -> None:
         logger.info(f"job {cfg.job.config_file or '(defaults)'} -> {cfg.job.dump_folder}: checking it, "
                     f"then loading the target {cfg.target.path or 'random:' + cfg.target.flavor}")
         validate_job_config(cfg, logger)
+        validate_launch(cfg)  # the device and the number of ranks, before any process group
         check_target_config(cfg)
         check_job_before_loading(cfg)  # draft, source, capture layers, usable rows: before the target loads
         check_feature_cache(cfg)  # offline: the cache's manifest and shards exist and are whole

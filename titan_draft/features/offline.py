@@ -19,6 +19,7 @@ from torch import nn
 
 from titan_draft.features.synthetic import build_synthetic_target, is_synthetic_target
 from titan_draft.features.target import build_target, read_hf_config
+from titan_draft.config.sources import describe_source
 from titan_draft.data.features.manifest import check_cache_files, check_manifest, job_facts, load_manifest
 from titan_draft.data.features.pipeline import rank_shards
 from titan_draft.data.features.shards import dequantize
@@ -86,6 +87,11 @@ def check_feature_cache(cfg: Any) -> None:
     if not cfg.data.feature_cache:
         return
     manifest = load_manifest(cfg.data.feature_cache)
+    cached = manifest.get("facts", {}).get("max_length")
+    if cached is not None and cached != cfg.data.max_length:  # the one job fact known without the target
+        raise ValueError(f"data.max_length: {cfg.data.feature_cache} was captured with max_length {cached}, this "
+                         f"job has {cfg.data.max_length}{describe_source(cfg, 'data.max_length')}: set "
+                         f"data.max_length = {cached}, or prepare the cache again")
     check_cache_files(cfg.data.feature_cache, manifest["shards"], verify=False)
 
 
