@@ -14,7 +14,8 @@ import sys
 from typing import Callable
 
 from titan_draft.checkpoint.errors import CheckpointSaveError
-from titan_draft.components.disk_full import DiskFullError, disk_full_line, error_path, is_disk_full
+from titan_draft.components.disk_full import (DiskFullError, disk_full_line, error_path, is_disk_full,
+                                              quiet_writer_thread_disk_full)
 from titan_draft.components.nonfinite import NonFiniteError
 from titan_draft.features.offline import check_feature_cache
 from titan_draft.components.preflight import check_job_before_loading
@@ -37,6 +38,7 @@ def _fail(e: BaseException, status: int):
 def run_cli(build_trainer: Callable, argv: list[str] | None = None) -> None:
     """Parse and check the job, then build the trainer with ``build_trainer(cfg)`` and train."""
     init_logger()
+    quiet_writer_thread_disk_full()
     try:
         cfg = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
         # the first line as soon as the job is known: loading a target can take minutes

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # What the errno-less wrappers keep of ENOSPC / EDQUOT: strerror's text, or the zip writer's own
@@ -137,3 +138,21 @@ def disk_full_line(path: str, *, needed: int | str | None = None, free: int | No
     else:
         need = needed
     return f"disk full on {where} ({have} free, {need} needed)"
+
+
+def quiet_writer_thread_disk_full() -> None:
+    """TensorBoard writes from a thread; on ENOSPC the thread dies with a traceback on stderr and
+    the training thread re-raises the same error at its next write (said there in one line). Keep
+    that thread's traceback off stderr; any other thread's exception is reported as before."""
+    previous = threading.excepthook
+    if getattr(previous, "_titan_draft", False):
+        return
+
+    def hook(args):
+        if type(args.thread).__module__.startswith("tensorboard.") and args.exc_value is not None \
+                and is_disk_full(args.exc_value):
+            return
+        previous(args)
+
+    hook._titan_draft = True
+    threading.excepthook = hook

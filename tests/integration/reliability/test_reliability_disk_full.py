@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import pytest
 import torch
@@ -46,24 +47,31 @@ def test_disk_full_when_taking_the_run_lock(capsys, monkeypatch, chat_jsonl, ran
 
 
 def test_disk_full_in_tensorboard_is_one_line(capsys, monkeypatch, chat_jsonl, random_target_dir, tmp_path):
-    """TensorBoard's writer thread re-raises its ENOSPC on the next write, inside the step loop."""
-    events = str(tmp_path / "dump" / "tb" / "events.out.tfevents.1")
+    """TensorBoard writes from its own thread: the thread dies of ENOSPC and the training thread
+    meets the error at its next write. One line, no thread traceback."""
+    from tensorboard.summary.writer import record_writer
 
-    class Trainer:
-        stop_line = None
+    real, writes = record_writer.RecordWriter.write, []
 
-        def __init__(self, cfg):
-            pass
+    def write(self, data):
+        writes.append(len(data))
+        if len(writes) > 2:  # the file header and the first record fit, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data)
 
-        def train(self):
-            raise OSError(errno.ENOSPC, "No space left on device", events)
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr(train_module, "Trainer", Trainer)
-    line = _main_fails(capsys, job_args(tmp_path / "dump", chat_jsonl, random_target_dir))
-    assert line.startswith(f"writing {events} failed: disk full on "), line
+    monkeypatch.setattr(record_writer.RecordWriter, "write", write)
+    # Python's own hook, which prints a dying thread's traceback to stderr (pytest's turns it into a warning)
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
+    dump = tmp_path / "dump"
+    with pytest.raises(SystemExit) as exit_info:
+        train_module.main(job_args(dump, chat_jsonl, random_target_dir, "--metrics.enable_tensorboard", "true",
+                                   "--training.steps", "3"))
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"titan_draft: error: writing {dump} failed: disk full on "), last
+    assert last.endswith(" free, more needed); the checkpoints already saved are kept"), last
 
 
 def test_wrapped_disk_full_errors_are_recognized(tmp_path):
