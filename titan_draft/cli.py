@@ -17,7 +17,7 @@ from titan_draft.checkpoint.errors import CheckpointSaveError
 from titan_draft.components.disk_full import (DiskFullError, disk_full_line, error_path, is_disk_full,
                                               quiet_writer_thread_disk_full)
 from titan_draft.components.nonfinite import NonFiniteError
-from titan_draft.features.offline import check_feature_cache
+from titan_draft.features.offline import FeatureCacheMismatchError, check_feature_cache
 from titan_draft.components.preflight import check_job_before_loading
 from titan_draft.checkpoint.resume_guard import ResumeRefusedError
 from titan_draft.components.run_lock import RunLockError
@@ -55,6 +55,8 @@ def run_cli(build_trainer: Callable, argv: list[str] | None = None) -> None:
         trainer = build_trainer(cfg)
     except RUN_ERRORS as e:
         _fail(e, 1)
+    except FeatureCacheMismatchError as e:  # the job is wrong for its cache: nothing was trained
+        _fail(e, 2)
     except Exception as e:
         _fail_if_disk_full(e, cfg)
         raise

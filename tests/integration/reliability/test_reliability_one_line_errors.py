@@ -85,3 +85,15 @@ def test_the_source_of_target_path_is_named(capsys, no_trainer, chat_jsonl, rand
     job.write_text(f'[model]\nname = "dflash2"\nflavor = "debugmodel"\n[target]\npath = "{missing}"\n')
     line = _main_error(capsys, ["--job.config_file", str(job), "--data.source", chat_jsonl])
     assert line.startswith(f"target.path: {missing!r} does not exist or is not a folder (job file {job}) ("), line
+
+
+def test_offline_cache_of_another_target_is_one_line(capsys, chat_jsonl, random_target_dir, tmp_path):
+    """Facts that need the target (its config hash here) are checked as the trainer builds: still one line."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "manifest.json").write_text(json.dumps({"format": FORMAT, "complete": True, "shards": [],
+                                                     "facts": {"max_length": 64, "target_config_hash": "0"}}))
+    line = _main_error(capsys, job_args(tmp_path / "dump", chat_jsonl, random_target_dir,
+                                        "--data.feature_cache", str(cache), "--eval.enable", "false"))
+    assert line == (f"target.path: {cache / 'manifest.json'} was captured with target (config.json / weight files) "
+                    "'one', this job has 'another'"), line
