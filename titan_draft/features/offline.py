@@ -26,7 +26,8 @@ from titan_draft.data.features.shards import dequantize
 from titan_draft.protocols import TargetFeatures
 from titan_draft.protocols.target_spec import TargetBundle, target_spec_for_model_type
 
-__all__ = ["FeatureCacheMismatchError", "TablesTarget", "build_offline_target", "check_feature_cache", "features_from_batch", "load_feature_cache"]
+__all__ = ["FeatureCacheMismatchError", "TablesTarget", "build_offline_target", "check_feature_cache",
+           "features_from_batch", "load_feature_cache"]
 
 logger = logging.getLogger(__name__)
 
