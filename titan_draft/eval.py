@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
         check_eval_target(a, recorded, facts)  # from config.json alone, before the weights load
         target = load_target(a.target, dtype=dtype, device=device)
         if recorded is not None:  # the weights: only once they are loaded
-            check_eval_target(a, recorded, build_target_record(target, target.args, target.family))
+            loaded = build_target_record(target, target.args, target.family)
+            check_eval_target(a, recorded, {"table_fingerprint": loaded["table_fingerprint"]})
         tokenizer = build_tokenizer(a.target)
         chat = resolve_chat_format(  # the training run's format unless the command line says otherwise
             tokenizer, template=a.chat_template or run.get("chat_template", "auto"),
