@@ -17,6 +17,7 @@ from torch.profiler import record_function
 from titan_draft.cli import run_cli
 from titan_draft.checkpoint.manager import CheckpointManager, TrainState
 from titan_draft.checkpoint.export import build_target_record, export_draft, exported_step
+from titan_draft.components.disk_full import write_atomic
 from titan_draft.components.float8 import Float8Converter
 from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.metrics import LogWindow, MetricsLogger, StepSums, get_peak_flops, metric_ratios
@@ -154,8 +155,7 @@ class Trainer:
         logger.info("run: " + json.dumps(self.run_info))
         if self.dist.rank == 0:
             write_job_config(cfg, os.path.join(cfg.job.dump_folder, "job_config.toml"))
-            with open(os.path.join(cfg.job.dump_folder, "run_info.json"), "w") as f:
-                json.dump(self.run_info, f, indent=2)
+            write_atomic(os.path.join(cfg.job.dump_folder, "run_info.json"), json.dumps(self.run_info, indent=2))
             save_model_args(self.model_args, cfg.job.dump_folder)
 
     def _prepare_context(self) -> PrepareContext:

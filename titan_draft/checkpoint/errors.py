@@ -24,7 +24,7 @@ class CheckpointSaveError(RuntimeError):
 
 def _needed(step_path: str, folder: str) -> str:
     """What one save takes: the size of the newest complete checkpoint, else more than the
-    partial folder already holds."""
+    partial folder holds."""
     steps = []
     try:
         for name in os.listdir(folder):
@@ -36,7 +36,7 @@ def _needed(step_path: str, folder: str) -> str:
         pass
     if steps:
         return f"about {human_bytes(tree_bytes(max(steps)[1]))}"
-    return f"more than the {human_bytes(tree_bytes(step_path))} written"
+    return f"over {human_bytes(tree_bytes(step_path))}"  # what it had written when the disk filled
 
 
 def describe_save_failure(error: BaseException, brief: str, step_path: str, folder: str, kept: str) -> str:

@@ -145,8 +145,8 @@ def export_draft(
                 os.remove(os.path.join(out_dir, name + ".tmp"))
             except OSError:
                 pass
-        raise DiskFullError(f"export: writing {out_dir} failed: {line}; the checkpoints are kept, "
-                            "free space and run again to export") from e
+        raise DiskFullError(f"export: writing {out_dir} failed: {line}; what was saved before (checkpoints, an "
+                            "earlier export) is kept: free space and run the job again to export") from e
     logger.info(
         "export: wrote %d tensors (%d params, %s) to %s",
         len(tensors),

@@ -140,6 +140,24 @@ def disk_full_line(path: str, *, needed: int | str | None = None, free: int | No
     return f"disk full on {where} ({have} free, {need} needed)"
 
 
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: a full disk (or a kill)
+    leaves the previous file whole, never truncated; the temporary file goes too."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def quiet_writer_thread_disk_full() -> None:
     """TensorBoard writes from a thread; on ENOSPC the thread dies with a traceback on stderr and
     the training thread re-raises the same error at its next write (said there in one line). Keep

@@ -4,7 +4,9 @@ nothing saved before is lost. (The checkpoint save: tests/unit/checkpoint/test_r
 
 from __future__ import annotations
 
+import builtins
 import errno
+import io
 import os
 import threading
 
@@ -74,6 +76,53 @@ def test_disk_full_in_tensorboard_is_one_line(capsys, monkeypatch, chat_jsonl, r
     assert last.endswith(" free, more needed); the checkpoints already saved are kept"), last
 
 
+class _FullDiskFile:
+    """A file opened for writing on a full disk: opening truncates it, writing fails."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._real.close()
+
+
+def test_a_full_disk_at_resume_truncates_none_of_the_run_files(capsys, monkeypatch, chat_jsonl, random_target_dir,
+                                                                tmp_path):
+    """job_config.toml, run_info.json and model_args.json are rewritten at every start; on a full
+    disk the first run's copies (what the eval of a DCP checkpoint reads) must stay whole."""
+    dump = tmp_path / "dump"
+    train_module.main(job_args(dump, chat_jsonl, random_target_dir, "--training.steps", "1",
+                               "--checkpoint.export", "false"))
+    names = ("job_config.toml", "run_info.json", "model_args.json")
+    before = {n: (dump / n).read_bytes() for n in names}
+    assert all(before.values())
+    real_open = io.open
+
+    def full_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if "w" in mode and str(file).startswith(str(dump)) and not str(file).endswith(".titan_draft.lock"):
+            return _FullDiskFile(f)
+        return f
+
+    monkeypatch.setattr(builtins, "open", full_open)
+    monkeypatch.setattr(io, "open", full_open)
+    line = _main_fails(capsys, job_args(dump, chat_jsonl, random_target_dir, "--training.steps", "2",
+                                        "--checkpoint.export", "false"))  # resumes from step 1
+    monkeypatch.undo()
+    assert "failed: disk full on " in line, line
+    assert {n: (dump / n).read_bytes() for n in names} == before
+    assert not [p for p in dump.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_wrapped_disk_full_errors_are_recognized(tmp_path):
     assert is_disk_full(RuntimeError("save failed")) is False
     assert is_disk_full(SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
@@ -125,5 +174,5 @@ def test_disk_full_during_export_keeps_the_previous_export(tmp_path, monkeypatch
         _export(out, seed=1)
     line = str(err.value)
     assert line.startswith(f"export: writing {out} failed: disk full on "), line
-    assert " free, 256 B needed); the checkpoints are kept" in line, line  # 8x8 float32
+    assert " free, 256 B needed); what was saved before (checkpoints, an earlier export) is kept" in line, line
     assert _files(out) == before  # the previous export whole, no new file beside it, no .tmp left
