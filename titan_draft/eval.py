@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from titan_draft.checkpoint.draft_source import load_draft_source
+from titan_draft.components.disk_full import disk_full_line, is_disk_full, write_atomic
 from titan_draft.checkpoint.export import TARGET_FACTS, build_target_record, recorded_target, target_mismatches
 from titan_draft.data.chat.format import resolve_chat_format
 from titan_draft.data.chat.prompts import load_eval_prompts, stop_token_ids
@@ -162,9 +163,15 @@ def main(argv: list[str] | None = None) -> None:
                       cuda_graphs=not a.no_cuda_graphs)
     print(report.table())
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"target": a.target, "draft": a.draft, "dtype": a.dtype, "proposer_options": options,
-                       **report.to_json()}, f, indent=2)
+        try:
+            write_atomic(a.out, json.dumps({"target": a.target, "draft": a.draft, "dtype": a.dtype,
+                                            "proposer_options": options, **report.to_json()}, indent=2))
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            print(f"titan_draft.eval: error: writing {a.out} failed: {disk_full_line(a.out)}; the table above "
+                  "is the whole report", file=sys.stderr)
+            raise SystemExit(1) from None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -5,8 +5,10 @@ fingerprint of the frozen tables) and refuses another one in one line naming wha
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
+import os
 
 import pytest
 from helpers import job_args, run_training
@@ -75,3 +77,20 @@ def test_a_target_with_another_layer_count_is_refused_before_it_loads(capsys, mo
 def _fingerprint(folder):
     target = load_target(folder)
     return table_fingerprint(target.embed_weight(), target.lm_head_weight())
+
+
+def test_a_full_disk_for_the_report_is_one_line(capsys, monkeypatch, export_dir, random_target_dir, tmp_path):
+    out = tmp_path / "tau.json"
+
+    def fsync(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(SystemExit) as exit_info:
+        eval_main(["--target", random_target_dir, "--draft", export_dir, *EVAL, "--out", str(out)])
+    assert exit_info.value.code == 1
+    captured = capsys.readouterr()
+    assert "true acceptance length" in captured.out  # the table was printed
+    line = captured.err.strip().splitlines()[-1]
+    assert line.startswith(f"titan_draft.eval: error: writing {out} failed: disk full on "), line
+    assert not list(tmp_path.iterdir())  # no half-written report, no temporary file
