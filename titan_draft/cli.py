@@ -1,8 +1,10 @@
 """The trainer's command line: every failure a user can act on is one line, with an exit status.
 
-- 2: the job itself is wrong (a key, a value, a path, the draft, the data): nothing was started.
+- 2: the job itself is wrong (a key, a value, a path, the draft, the data, the ranks launched, a
+  feature cache of another job): nothing was trained.
 - 1: the run could not go on (another trainer holds the dump folder, a non-finite step, a data
-  row that cannot be prepared, a save that failed); the line says what is kept.
+  row that cannot be prepared, a save that failed, a full disk wherever it is met); the line says
+  what is kept.
 - 0: done, or stopped by SIGTERM/SIGINT after saving (the last line says where to resume).
 
 Anything else is a bug and keeps its traceback.
