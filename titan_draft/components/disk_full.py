@@ -6,7 +6,9 @@ TensorBoard's writer thread re-raising on the next write), torch's zip writer's 
 the text remains), safetensors' ``SafetensorError`` (the errno survives only in its message), and
 DCP's ``CheckpointException`` holding one of those per rank. Every site asks :func:`is_disk_full`
 and says :func:`disk_full_line`, so all of them read the same:
-``disk full on <device> (<mount>) (<free> free, <needed> needed)``.
+``disk full on <device> at <mount> (<free> free, <needed> needed)``. The zip writer's text carries no
+errno, so it counts as full only where the filesystem is nearly full, measured before anything
+partial is removed.
 """
 
 from __future__ import annotations
