@@ -24,12 +24,17 @@ import torch
 import torch.distributed as dist
 
 from titan_draft.checkpoint.draft_source import load_draft_source
+from titan_draft.components.disk_full import disk_full_line, is_disk_full, write_atomic
+from titan_draft.checkpoint.export import TARGET_FACTS, build_target_record, recorded_target, target_mismatches
 from titan_draft.data.chat.format import resolve_chat_format
 from titan_draft.data.chat.prompts import load_eval_prompts, stop_token_ids
 from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.decoding.acceptance import evaluate
 from titan_draft.decoding.evaluator import build_eval_draft
-from titan_draft.features.target import load_target
+from titan_draft.features.target import load_target, read_hf_config
+from titan_draft.protocols.target_spec import target_spec_for_model_type
+
+logger = logging.getLogger(__name__)
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m titan_draft.eval", description=__doc__.split("\n\n")[0])
@@ -59,6 +64,9 @@ def _parse(argv):
                         "is read as JSON when it parses (DSpark: confidence_threshold=0.5, "
                         "decode_as=specforge_spec_generate)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
+    p.add_argument("--allow-target-mismatch", action="store_true",
+                   help="evaluate even when --target differs from the target the export records (its layer "
+                        "count, sizes, vocabulary or frozen tables); the differences are logged")
     return p.parse_args(argv)
 
 
@@ -86,6 +94,31 @@ def build_proposer(spec, draft, options: dict):
         raise ValueError(f"--proposer-option: draft {spec.name!r} does not take {sorted(options)}: {e}") from None
 
 
+def target_architecture(path: str):
+    """(architecture args, family) of the HF folder ``path``, read from its config.json alone."""
+    hf_config = read_hf_config(path)
+    spec = target_spec_for_model_type(hf_config.get("model_type"), path)
+    return spec.args_from_hf_config(hf_config), spec.family
+
+
+def check_eval_target(a, recorded: dict | None, actual: dict) -> None:
+    """Refuse (ValueError) a target that differs from the one the export records, naming every
+    differing fact; with ``--allow-target-mismatch`` log them instead. An export without a record
+    is evaluated with a warning: nothing can be checked."""
+    if recorded is None:
+        if "table_fingerprint" not in actual:  # said once, at the first check
+            logger.warning(f"eval: {a.draft} records no target facts (a checkpoint folder, or an export older "
+                           "than the record): the target is not checked against the one it was trained for")
+        return
+    differences = target_mismatches({k: v for k, v in recorded.items() if k in actual}, actual)
+    if not differences:
+        return
+    line = f"--target: {a.target} is not the target {a.draft} was trained for: {'; '.join(differences)}"
+    if not a.allow_target_mismatch:
+        raise ValueError(f"{line} (pass --allow-target-mismatch to evaluate anyway)")
+    logger.warning(f"eval: {line}; evaluating anyway (--allow-target-mismatch)")
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     a = _parse(sys.argv[1:] if argv is None else argv)
@@ -95,7 +128,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         options = parse_proposer_options(a.proposer_option)
         spec, args, state, run = load_draft_source(a.draft, a.draft_name)
+        recorded = recorded_target(a.draft)
+        target_args, family = target_architecture(a.target)
+        facts = {"family": family, **{k: getattr(target_args, k, None) for k in TARGET_FACTS[1:]}}
+        check_eval_target(a, recorded, facts)  # from config.json alone, before the weights load
         target = load_target(a.target, dtype=dtype, device=device)
+        if recorded is not None:  # the weights: only once they are loaded
+            loaded = build_target_record(target, target.args, target.family)
+            check_eval_target(a, recorded, {"table_fingerprint": loaded["table_fingerprint"]})
         tokenizer = build_tokenizer(a.target)
         chat = resolve_chat_format(  # the training run's format unless the command line says otherwise
             tokenizer, template=a.chat_template or run.get("chat_template", "auto"),
@@ -124,9 +164,15 @@ def main(argv: list[str] | None = None) -> None:
                       cuda_graphs=not a.no_cuda_graphs)
     print(report.table())
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"target": a.target, "draft": a.draft, "dtype": a.dtype, "proposer_options": options,
-                       **report.to_json()}, f, indent=2)
+        try:
+            write_atomic(a.out, json.dumps({"target": a.target, "draft": a.draft, "dtype": a.dtype,
+                                            "proposer_options": options, **report.to_json()}, indent=2))
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            print(f"titan_draft.eval: error: writing {a.out} failed: {disk_full_line(a.out)}; the table above "
+                  "is the whole report", file=sys.stderr)
+            raise SystemExit(1) from None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -16,7 +16,8 @@ from torch.profiler import record_function
 
 from titan_draft.cli import run_cli
 from titan_draft.checkpoint.manager import CheckpointManager, TrainState, resolve_resume_step
-from titan_draft.checkpoint.export import export_draft, exported_step
+from titan_draft.checkpoint.export import build_target_record, export_draft, exported_step
+from titan_draft.components.disk_full import write_atomic
 from titan_draft.components.float8 import Float8Converter
 from titan_draft.components.lr_scheduler import build_lr_scheduler
 from titan_draft.components.metrics import LogWindow, MetricsLogger, StepSums, get_peak_flops, metric_ratios
@@ -159,8 +160,7 @@ class Trainer:
         logger.info("run: " + json.dumps(self.run_info))
         if self.dist.rank == 0:
             write_job_config(cfg, os.path.join(cfg.job.dump_folder, "job_config.toml"))
-            with open(os.path.join(cfg.job.dump_folder, "run_info.json"), "w") as f:
-                json.dump(self.run_info, f, indent=2)
+            write_atomic(os.path.join(cfg.job.dump_folder, "run_info.json"), json.dumps(self.run_info, indent=2))
             save_model_args(self.model_args, cfg.job.dump_folder)
 
     def _prepare_context(self) -> PrepareContext:
@@ -336,6 +336,7 @@ class Trainer:
             dtype=cfg.checkpoint.export_dtype,
             extra_config={"step": self.train_state.step, "run": self.run_info},
             is_rank0=self.dist.rank == 0,
+            target_record=build_target_record(self.target.model, self.target.args, self.target.family),
         )
         logger.info(f"exported draft to {out_dir}")
 

@@ -8,12 +8,16 @@ Files written to ``out_dir``:
 - ``model.safetensors``: the serving tensors, floating ones cast to ``dtype``, all contiguous.
 - ``config.json``: the serving config returned by ``export_fn``.
 - ``titan_draft_export.json``: provenance (dtype, tensor/param counts, torch version, plus
-  whatever the trainer passes in ``extra_config``: step, capture layers, target, ...).
+  whatever the trainer passes in ``extra_config``: step, capture layers, target, ...), and under
+  ``target`` the target it was trained for (architecture facts and a fingerprint of its frozen
+  tables), which the eval checks its target against. titan_draft's own facts live here rather
+  than in config.json, which belongs to the serving contract.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -24,6 +28,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from titan_draft.components.disk_full import DiskFullError, disk_full_line, free_bytes, is_disk_full
 
 logger = logging.getLogger(__name__)
 
@@ -85,14 +91,6 @@ def _prepare_tensors(
     return out
 
 
-def _write_json(path: str, obj: Any) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def export_draft(
     model: nn.Module,
     export_fn: ExportFn,
@@ -103,12 +101,18 @@ def export_draft(
     dtype: str | torch.dtype = "bfloat16",
     extra_config: dict | None = None,
     is_rank0: bool | None = None,
+    target_record: dict | None = None,
 ) -> str | None:
     """Write the draft's serving files to ``out_dir``; returns ``out_dir`` on rank 0, else None.
 
     Collective: every rank must call it (gathering the full state dict all-gathers FSDP2 shards);
     only rank 0 receives the tensors and writes. ``is_rank0`` defaults to the process-group rank
-    (True without a process group).
+    (True without a process group). ``target_record`` (:func:`build_target_record`) is kept in
+    the provenance file under ``target``, for the eval to check its target against.
+
+    Raises:
+        DiskFullError: the disk filled up; the line says how much was free and needed, and no
+            half-written file is left behind.
     """
     if is_rank0 is None:
         is_rank0 = _default_is_rank0()
@@ -126,26 +130,23 @@ def export_draft(
     _check_names(tensors.keys(), "export_fn's tensors")
     tensors = _prepare_tensors(tensors, torch_dtype)
 
-    os.makedirs(out_dir, exist_ok=True)
-    weights_path = os.path.join(out_dir, WEIGHTS_NAME)
-    # Write under temporary names and rename, so an interrupted export never leaves a
-    # model.safetensors that looks complete next to a stale config.
-    save_file(tensors, weights_path + ".tmp", metadata={"format": "pt"})
-    os.replace(weights_path + ".tmp", weights_path)
-    _write_json(os.path.join(out_dir, CONFIG_NAME), config)
-
     provenance = dict(extra_config or {})
-    provenance.update(
-        {
-            "export_dtype": str(torch_dtype).removeprefix("torch."),
-            "num_tensors": len(tensors),
-            "num_params": sum(t.numel() for t in tensors.values()),
-            "tensor_names": sorted(tensors),
-            "torch_version": torch.__version__,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        }
-    )
-    _write_json(os.path.join(out_dir, PROVENANCE_NAME), provenance)
+    if target_record is not None:
+        provenance["target"] = target_record
+    try:
+        _write_files(out_dir, tensors, config, provenance, torch_dtype)
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        needed = sum(t.numel() * t.element_size() for t in tensors.values())
+        line = disk_full_line(out_dir, needed=needed, free=free_bytes(out_dir))  # before the cleanup
+        for name in (WEIGHTS_NAME, CONFIG_NAME, PROVENANCE_NAME):
+            try:
+                os.remove(os.path.join(out_dir, name + ".tmp"))
+            except OSError:
+                pass
+        raise DiskFullError(f"export: writing {out_dir} failed: {line}; what was saved before (checkpoints, an "
+                            "earlier export) is kept: free space and run the job again to export") from e
     logger.info(
         "export: wrote %d tensors (%d params, %s) to %s",
         len(tensors),
@@ -156,6 +157,72 @@ def export_draft(
     return out_dir
 
 
+def _write_files(out_dir: str, tensors: dict, config: dict, provenance: dict, torch_dtype: torch.dtype) -> None:
+    """Every file under a temporary name first, then the renames (which need no space): a full
+    disk or a kill never leaves new weights next to an old export's config."""
+    os.makedirs(out_dir, exist_ok=True)
+    provenance.update(
+        {
+            "export_dtype": str(torch_dtype).removeprefix("torch."),
+            "num_tensors": len(tensors),
+            "num_params": sum(t.numel() for t in tensors.values()),
+            "tensor_names": sorted(tensors),
+            "torch_version": torch.__version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+    )
+    weights_path = os.path.join(out_dir, WEIGHTS_NAME)
+    save_file(tensors, weights_path + ".tmp", metadata={"format": "pt"})
+    _write_json_tmp(os.path.join(out_dir, CONFIG_NAME), config)
+    _write_json_tmp(os.path.join(out_dir, PROVENANCE_NAME), provenance)
+    for name in (WEIGHTS_NAME, CONFIG_NAME, PROVENANCE_NAME):
+        os.replace(os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name))
+
+
+def _write_json_tmp(path: str, obj: Any) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.write("\n")
+
+
+FINGERPRINT_ROWS = 5  # rows of each frozen table hashed, spread over the vocabulary
+
+
+def table_fingerprint(embed: torch.Tensor, lm_head: torch.Tensor) -> str:
+    """A hash of a few rows of the frozen tables, rounded to bfloat16 so that a target loaded in
+    float32 for the eval gives the same hash as the bfloat16 copy it was trained with."""
+    vocab = embed.shape[0]
+    rows = sorted({round(i * (vocab - 1) / (FINGERPRINT_ROWS - 1)) for i in range(FINGERPRINT_ROWS)})
+    digest = hashlib.sha256()
+    for table in (embed, lm_head):
+        picked = table.detach()[rows].to(device="cpu", dtype=torch.float32).to(torch.bfloat16)
+        digest.update(picked.contiguous().view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+TARGET_FACTS = ("family", "num_hidden_layers", "hidden_size", "vocab_size", "rope_theta")
+
+
+def build_target_record(model: nn.Module, args: Any, family: str) -> dict:
+    """What the export records of the target it was trained for: architecture facts and
+    :func:`table_fingerprint`. Collective when the tables are sharded (every rank calls it)."""
+    record = {"family": family}
+    for key in TARGET_FACTS[1:]:
+        record[key] = getattr(args, key, None)
+    record["table_fingerprint"] = table_fingerprint(model.embed_weight(), model.lm_head_weight())
+    return record
+
+
+def target_mismatches(recorded: dict, actual: dict) -> list[str]:
+    """``key recorded X, target has Y`` for every fact of ``recorded`` that ``actual`` differs in."""
+    out = []
+    for key in (*TARGET_FACTS, "table_fingerprint"):
+        if key in recorded and recorded[key] != actual.get(key):
+            what = "frozen tables (embedding / lm_head rows)" if key == "table_fingerprint" else key
+            out.append(f"{what}: export {recorded[key]}, target {actual.get(key)}")
+    return out
+
+
 def exported_step(folder: str) -> int | None:
     """The training step an export folder holds (its provenance), None when there is none."""
     try:
@@ -163,6 +230,17 @@ def exported_step(folder: str) -> int | None:
             return json.load(f).get("step")
     except (OSError, ValueError):
         return None
+
+
+def recorded_target(folder: str) -> dict | None:
+    """The target record (:func:`build_target_record`) an export folder keeps, None when it
+    keeps none (a DCP step folder, an export written before the record existed, another tool's)."""
+    try:
+        with open(os.path.join(folder, PROVENANCE_NAME)) as f:
+            record = json.load(f).get("target")
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def load_export(folder: str) -> tuple[dict[str, torch.Tensor], dict]:

@@ -201,10 +201,12 @@ class CheckpointManager:
             if rank == 0:
                 write_integrity_record(path)
         except (Exception, CheckpointException) as e:  # disk full, permissions: one line, no debris
+            brief = _describe(e).splitlines()[0][:300]
+            # measured before the partial folder goes: afterwards the disk looks emptier than it was
+            line = describe_save_failure(e, brief, path, self.folder, self.describe_last())
             if rank == 0:
                 remove_partial(path)
-            brief = _describe(e).splitlines()[0][:300]
-            raise CheckpointSaveError(describe_save_failure(e, brief, path, self.folder, self.describe_last())) from e
+            raise CheckpointSaveError(line) from e
         self._last_saved_step = step
         logger.info("checkpoint: saved %s in %.2f s", path, time.perf_counter() - t0)
         # dcp.save returns on the coordinator (rank 0) only after .metadata is written, i.e. after

@@ -7,10 +7,11 @@ import dataclasses
 import json
 import os
 
+from titan_draft.components.disk_full import write_atomic
+
 MODEL_ARGS_NAME = "model_args.json"
 
 
 def save_model_args(args, folder: str) -> None:
     """What the draft is, next to its checkpoints (so a DCP checkpoint can be evaluated)."""
-    with open(os.path.join(folder, MODEL_ARGS_NAME), "w") as f:
-        json.dump(dataclasses.asdict(args), f, indent=2)
+    write_atomic(os.path.join(folder, MODEL_ARGS_NAME), json.dumps(dataclasses.asdict(args), indent=2))

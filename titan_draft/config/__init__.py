@@ -3,7 +3,7 @@
 from titan_draft.config.job_config import JobConfig
 from titan_draft.config.manager import ConfigManager, load_job_config
 from titan_draft.config.toml_writer import dump_job_config, write_job_config
-from titan_draft.config.validate import ConfigError, validate_job_config
+from titan_draft.config.validate import ConfigError, validate_job_config, validate_launch
 
 __all__ = [
     "ConfigError",
@@ -12,5 +12,6 @@ __all__ = [
     "dump_job_config",
     "load_job_config",
     "validate_job_config",
+    "validate_launch",
     "write_job_config",
 ]

@@ -22,12 +22,12 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from titan_draft.config.job_config import JobConfig
+from titan_draft.config.sources import CLI_SOURCE, record_source
 from titan_draft.config.toml_writer import _toml_value
 from titan_draft.config.validate import ConfigError, validate_job_config
 
 logger = logging.getLogger(__name__)
 
-CLI_SOURCE = "command line"
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True,
                "false": False, "0": False, "no": False, "off": False}
 
@@ -235,6 +235,7 @@ class ConfigManager:
                 if fld.kind == "dict":
                     value = {**getattr(getattr(cfg, section), fld.name), **value}
                 setattr(getattr(cfg, section), fld.name, value)
+                record_source(cfg, fld.key, source)
 
     # -- CLI ---------------------------------------------------------------------------------
 
@@ -296,6 +297,7 @@ class ConfigManager:
     def _apply_override(self, cfg: JobConfig, o: _Override) -> None:
         fld = o.field
         section = getattr(cfg, fld.section)
+        record_source(cfg, fld.key, CLI_SOURCE)
         if fld.kind == "bool" and o.raw is None:
             setattr(section, fld.name, not o.negate)
             return

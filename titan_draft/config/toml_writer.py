@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from titan_draft.components.disk_full import write_atomic
 from titan_draft.config.job_config import JobConfig
 from titan_draft.config.validate import ConfigError
 
@@ -71,5 +72,5 @@ def dump_job_config(cfg: JobConfig) -> str:
 def write_job_config(cfg: JobConfig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_job_config(cfg), encoding="utf-8")
+    write_atomic(str(path), dump_job_config(cfg))  # a full disk must not truncate the previous run's file
     return path

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from titan_draft.config.job_config import JobConfig
+from titan_draft.config.sources import describe_source
 from titan_draft.data.chat.template import SUPPORTED_TEMPLATES
 
 logger = logging.getLogger(__name__)
@@ -74,6 +76,17 @@ def validate_job_config(cfg: JobConfig, log: logging.Logger | None = None) -> li
     if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
         errors.append(f"target.capture_layers = {layers} must be distinct non-negative layer ids")
 
+    if cfg.optimizer.name.lower() != "adamw":
+        errors.append(f"optimizer.name = {cfg.optimizer.name!r}{describe_source(cfg, 'optimizer.name')} "
+                      "is not an optimizer titan_draft builds (supported: AdamW)")
+    if cfg.eval.enable and "mtbench" in cfg.eval.prompts:
+        from titan_draft.data.chat.prompts import mtbench_questions
+
+        try:
+            mtbench_questions()  # reads one small file of the package: no target needed
+        except ValueError as e:
+            errors.append(f"eval.enable: {e} (or set eval.prompts to 'holdout' or .jsonl files, or eval.enable "
+                          "= false)")
     if cfg.validation.enable and cfg.data.holdout_rows <= 0:
         errors.append("validation.enable needs held-out rows to validate on: set data.holdout_rows > 0")
     if cfg.validation.enable and cfg.data.feature_cache:
@@ -108,3 +121,31 @@ def validate_job_config(cfg: JobConfig, log: logging.Logger | None = None) -> li
     for w in warnings:
         log.warning(w)
     return warnings
+
+
+def validate_launch(cfg: JobConfig, world_size: int | None = None) -> None:
+    """Check the job against how it was launched, before any process group or model: a CUDA
+    device that is not there, data-parallel degrees that do not multiply to the number of ranks
+    (``WORLD_SIZE``, 1 without a launcher). Raises ConfigError naming the key."""
+    import torch
+
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    errors = []
+    if cfg.job.device == "cuda" and not torch.cuda.is_available():
+        errors.append(f"job.device = 'cuda'{describe_source(cfg, 'job.device')} but no CUDA device is visible to "
+                      "this process (set job.device = 'auto' or 'cpu', or check CUDA_VISIBLE_DEVICES)")
+    p = cfg.parallelism
+    replicate, shard = p.data_parallel_replicate_degree, p.data_parallel_shard_degree
+    launched = f"{world_size} rank{'s' if world_size != 1 else ''} launched"
+    hint = "launch that many ranks (NGPU=... ./run_train.sh, torchrun --nproc_per_node) or set -1"
+    if replicate < 1 or world_size % replicate:
+        errors.append(f"parallelism.data_parallel_replicate_degree = {replicate}"
+                      f"{describe_source(cfg, 'parallelism.data_parallel_replicate_degree')} must divide the "
+                      f"{launched}")
+    elif shard != -1 and shard * replicate != world_size:
+        errors.append(f"parallelism.data_parallel_shard_degree = {shard}"
+                      f"{describe_source(cfg, 'parallelism.data_parallel_shard_degree')} times "
+                      f"data_parallel_replicate_degree = {replicate} is {shard * replicate}, but {launched}: {hint}")
+    if errors:
+        raise ConfigError("invalid job config: " + "; ".join(errors))

@@ -19,13 +19,15 @@ from torch import nn
 
 from titan_draft.features.synthetic import build_synthetic_target, is_synthetic_target
 from titan_draft.features.target import build_target, read_hf_config
+from titan_draft.config.sources import describe_source
 from titan_draft.data.features.manifest import check_cache_files, check_manifest, job_facts, load_manifest
 from titan_draft.data.features.pipeline import rank_shards
 from titan_draft.data.features.shards import dequantize
 from titan_draft.protocols import TargetFeatures
 from titan_draft.protocols.target_spec import TargetBundle, target_spec_for_model_type
 
-__all__ = ["TablesTarget", "build_offline_target", "check_feature_cache", "features_from_batch", "load_feature_cache"]
+__all__ = ["FeatureCacheMismatchError", "TablesTarget", "build_offline_target", "check_feature_cache",
+           "features_from_batch", "load_feature_cache"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +82,22 @@ def build_offline_target(cfg: Any, device: torch.device, dtype: torch.dtype, mes
     return TargetBundle(model=TablesTarget(args, family, embed, lm_head), args=args, family=family, source=source)
 
 
+class FeatureCacheMismatchError(ValueError):
+    """The cache holds another job's features (a fact that needs the target or the draft to know,
+    found once the trainer is being built); the message is the one line naming the job field."""
+
+
 def check_feature_cache(cfg: Any) -> None:
     """Before any process group: the cache has a complete manifest and every shard it lists, at its
     recorded size. (The job-facts check and the checksums need the draft and run per rank.)"""
     if not cfg.data.feature_cache:
         return
     manifest = load_manifest(cfg.data.feature_cache)
+    cached = manifest.get("facts", {}).get("max_length")
+    if cached is not None and cached != cfg.data.max_length:  # the one job fact known without the target
+        raise ValueError(f"data.max_length: {cfg.data.feature_cache} was captured with max_length {cached}, this "
+                         f"job has {cfg.data.max_length}{describe_source(cfg, 'data.max_length')}: set "
+                         f"data.max_length = {cached}, or prepare the cache again")
     check_cache_files(cfg.data.feature_cache, manifest["shards"], verify=False)
 
 
@@ -97,7 +109,10 @@ def load_feature_cache(cfg: Any, target: TargetBundle, tokenizer: Any, chat: Any
     folder = cfg.data.feature_cache
     manifest = load_manifest(folder)
     facts = job_facts(cfg, target.args, tokenizer, chat, layer_ids, need_last_hidden, reserved_ids)
-    check_manifest(manifest, facts, os.path.join(folder, "manifest.json"))
+    try:
+        check_manifest(manifest, facts, os.path.join(folder, "manifest.json"))
+    except ValueError as e:
+        raise FeatureCacheMismatchError(str(e)) from None
     if manifest["facts"]["data"] != facts["data"]:
         # offline, data.source feeds only a draft's data pass (EAGLE-3's vocabulary) and the eval's
         # held-out prompts; a cache moved to another machine legitimately names another path

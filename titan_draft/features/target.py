@@ -13,6 +13,7 @@ import os
 import torch
 from torch import nn
 
+from titan_draft.config.sources import describe_source
 from titan_draft.features.synthetic import build_synthetic_target, is_synthetic_target
 from titan_draft.protocols import TargetFeatures
 from titan_draft.protocols.target_spec import (
@@ -29,7 +30,7 @@ __all__ = ["TargetBundle", "build_target", "build_target_tokenizer", "check_targ
 def check_target_config(cfg) -> None:
     """Fail before any process group starts when the job cannot get a target or its tokenizer."""
     t = cfg.target
-    where = f" (job file {cfg.job.config_file})" if cfg.job.config_file else ""
+    where = describe_source(cfg, "target.path")  # the command line or the job file that set it
     if t.path:
         if not os.path.isdir(t.path):
             raise ValueError(

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from titan_draft.data.sources.report import FileReport
+from titan_draft.data.sources.report import FileReport, FolderReport
 
 logger = logging.getLogger(__name__)
 
@@ -110,33 +110,73 @@ def _read_bytes(path: Path) -> bytes:
         raise ValueError(f"data.source: cannot read {path}: {e.strerror or e}") from None
 
 
-def _iter_jsonl(path: Path) -> Iterator[Any]:
-    """Rows of a JSON Lines file; a line that is not UTF-8 or not JSON is a ``BAD_JSON`` row, and
-    where they were is logged once for the file (source_report.py)."""
-    report = FileReport(path)
+class UnusableFileError(ValueError):
+    """No line of a file decodes: the file is passed over whole (its message says why)."""
+
+
+def _open(path: Path):
     try:
-        f = path.open("rb")
+        return path.open("rb")
     except OSError as e:
         raise ValueError(f"data.source: cannot read {path}: {e.strerror or e}") from None
+
+
+def _decode(raw: bytes):
+    """A line's row, or the reason it is not one (``report.REASON_TEXT``); None for a blank line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "invalid_utf8"
+    if not line.strip():
+        return None
+    try:
+        return _Row(json.loads(line))
+    except json.JSONDecodeError:
+        return "bad_json"
+
+
+class _Row:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _check_some_line_decodes(path: Path) -> None:
+    """Read up to the first line that is a JSON row (at once for a good file); when there is
+    none, raise :class:`UnusableFileError` with what each line was. A binary file would
+    otherwise yield one ``BAD_JSON`` row per line and look like data that fails later."""
+    report = FileReport(path)
+    with _open(path) as f:
+        for number, raw in enumerate(f, start=1):
+            got = _decode(raw)
+            if isinstance(got, _Row):
+                return
+            if got is not None:
+                report.reject(got, number)
+    if report.rejected:
+        raise UnusableFileError(report.unusable())
+
+
+def _iter_jsonl(path: Path) -> Iterator[Any]:
+    """Rows of a JSON Lines file; a line that is not UTF-8 or not JSON is a ``BAD_JSON`` row, and
+    where they were is logged once for the file (source_report.py). A file of which no line is a
+    row raises :class:`UnusableFileError` before yielding anything."""
+    _check_some_line_decodes(path)
+    report = FileReport(path)
+    f = _open(path)
     try:
         with f:
             for number, raw in enumerate(f, start=1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    report.reject("invalid_utf8", number)
-                    yield BAD_JSON
+                got = _decode(raw)
+                if got is None:
                     continue
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    report.reject("bad_json", number)
+                if isinstance(got, str):
+                    report.reject(got, number)
                     yield BAD_JSON
                     continue
                 report.good += 1
-                yield row
+                yield got.value
     finally:  # also when max_rows stops the read early: say what was passed over so far
         report.log()
 
@@ -166,20 +206,48 @@ def check_path(source: str) -> None:
 
 
 def iter_path(source: str) -> Iterator[Any]:
-    """Rows of a .json / .jsonl file, or of the ones directly in a folder, in name order."""
+    """Rows of a .json / .jsonl file, or of the ones directly in a folder, in name order.
+
+    In a folder each file is judged alone: one that cannot be read, is not UTF-8 or JSON, or of
+    which no line is a row, is named and passed over wherever it sorts (``FolderReport``); the
+    folder is refused only when no file gives a row. A JSON list broken after some of its rows
+    have been read still ends the read (those rows are already on their way)."""
     check_path(source)
     path = Path(os.path.expanduser(source))
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl") and p.is_file())
-        subfolders = sorted(p.name for p in path.iterdir() if p.is_dir())
-        if subfolders:
-            logger.info("data.source: subfolders of %s are not read: %s", source, subfolders)
-        others = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix not in (".json", ".jsonl"))
-        if others:
-            logger.info("data.source: files of %s that are not .json/.jsonl are not read: %s", source, others)
-        if not files:
-            raise ValueError(f"data.source: folder {source!r} has no .json or .jsonl files")
+    if not path.is_dir():
+        try:
+            yield from _iter_file(path)
+        except UnusableFileError as e:
+            raise ValueError(f"data.source: {path}: {e}") from None
+        return
+    files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl") and p.is_file())
+    subfolders = sorted(p.name for p in path.iterdir() if p.is_dir())
+    if subfolders:
+        logger.info("data.source: subfolders of %s are not read: %s", source, subfolders)
+    others = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix not in (".json", ".jsonl"))
+    if others:
+        logger.info("data.source: files of %s that are not .json/.jsonl are not read: %s", source, others)
+    if not files:
+        raise ValueError(f"data.source: folder {source!r} has no .json or .jsonl files")
+    report = FolderReport(path, len(files))
+    try:
         for f in files:
-            yield from _iter_file(f)
-    else:
-        yield from _iter_file(path)
+            rows = _iter_file(f)
+            try:
+                first = next(rows, _END)
+            except ValueError as e:  # unreadable before its first row: this file alone is out
+                report.skip(f, str(e).removeprefix("data.source: ").removeprefix(f"{f}: ").removeprefix(f"{f} "))
+                continue
+            if first is _END:
+                continue
+            report.rows += 1
+            yield first
+            for row in rows:
+                report.rows += 1
+                yield row
+        report.check_usable()
+    finally:
+        report.log()
+
+
+_END = object()
