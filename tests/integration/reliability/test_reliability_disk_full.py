@@ -115,8 +115,10 @@ def test_a_full_disk_at_resume_truncates_none_of_the_run_files(capsys, monkeypat
 
     monkeypatch.setattr(builtins, "open", full_open)
     monkeypatch.setattr(io, "open", full_open)
+    # resumes from step 1 (a longer schedule is a change the resume guard must be told to apply)
     line = _main_fails(capsys, job_args(dump, chat_jsonl, random_target_dir, "--training.steps", "2",
-                                        "--checkpoint.export", "false"))  # resumes from step 1
+                                        "--checkpoint.export", "false",
+                                        "--checkpoint.apply_new_optimizer_settings", "true"))
     monkeypatch.undo()
     assert "failed: disk full on " in line, line
     assert {n: (dump / n).read_bytes() for n in names} == before
