@@ -40,6 +40,7 @@ from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.features.offline import features_from_batch, load_feature_cache
 from titan_draft.features.target import build_target, build_target_tokenizer, compute_features
 from titan_draft.protocols import get_model_spec
+import titan_draft.train as train_module
 from titan_draft.train import Trainer
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -287,3 +288,14 @@ def attention_flops(args, seq: int, rows: int) -> float:
     """Forward and backward (3 x) of QK^T and PV (4 x) per head: a block row attends to the
     context before its anchor (``seq / 2`` on average) and to its own block."""
     return 12 * rows * (seq / 2 + args.block_size) * args.num_attention_heads * args.head_dim * args.num_layers
+
+
+def main_error(capsys, argv) -> str:
+    """The one-line error main() exits with (status 2, no traceback), without its prefix."""
+    with pytest.raises(SystemExit) as exit_info:
+        train_module.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("titan_draft: error: "), err
+    assert not any("Traceback" in line for line in err), err
+    return err[-1][len("titan_draft: error: "):]

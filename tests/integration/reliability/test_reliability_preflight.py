@@ -14,26 +14,7 @@ import time
 import pytest
 
 import titan_draft.train as train_module
-from helpers import REPO, job_args
-
-
-@pytest.fixture
-def no_trainer(monkeypatch):
-    """Fails the test if main() gets as far as building the Trainer (i.e. loading the target)."""
-
-    def refuse(cfg):
-        raise AssertionError("the target started loading before the job was checked")
-
-    monkeypatch.setattr(train_module, "Trainer", refuse)
-
-
-def _main_error(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        train_module.main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err and err[-1].startswith("titan_draft: error: "), err
-    return err[-1][len("titan_draft: error: "):]
+from helpers import REPO, job_args, main_error
 
 
 @pytest.mark.parametrize("extra, expected", [
@@ -45,7 +26,7 @@ def _main_error(capsys, argv) -> str:
     (("--data.max_length", "8"), "data.source: none of the first 200 rows of "),
 ], ids=["missing_source", "flavor", "draft", "draft_arg", "capture_layer", "max_length"])
 def test_checked_before_the_target_loads(capsys, no_trainer, chat_jsonl, random_target_dir, tmp_path, extra, expected):
-    line = _main_error(capsys, job_args(tmp_path, chat_jsonl, random_target_dir, *extra))
+    line = main_error(capsys, job_args(tmp_path, chat_jsonl, random_target_dir, *extra))
     assert line.startswith(expected), line
     if extra[0] == "--data.max_length":
         assert "is usable with data.max_length = 8: skipped {'no_loss_tokens': 194, " in line
