@@ -152,3 +152,22 @@ def test_packing_config_is_checked():
     cfg.data.max_length, cfg.data.packing_window = 1024, 0
     with pytest.raises(ConfigError, match="data.packing_window = 0 must be >= 1"):
         validate_job_config(cfg)
+
+
+def test_a_packed_position_does_not_move_to_another_dp_size(tok, tmp_path):
+    """The conversations a rank holds waiting in its window cannot be handed to other ranks: a
+    packed state saved by 2 DP ranks is refused by 1, naming the way out."""
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(_conv(i, 5 + i % 30)) + "\n" for i in range(30)))
+    cfg = Data(source=str(path), max_length=128, packing=True, packing_window=6, chat_template="chatml",
+               prefetch_factor=0)
+    saved = {}
+    for rank in range(2):
+        dl = build_dataloader(cfg, tok, dp_rank=rank, dp_world=2, local_batch_size=1, seed=5, static_shapes=True)
+        _BUILT.append(dl)
+        next(dl)
+        saved.update(dl.state_dict())
+    one = build_dataloader(cfg, tok, dp_rank=0, dp_world=1, local_batch_size=1, seed=5, static_shapes=True)
+    _BUILT.append(one)
+    with pytest.raises(ValueError, match="saved with 2 DP ranks, this run has 1.*reset_data_position"):
+        one.load_state_dict(saved)
