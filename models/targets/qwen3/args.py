@@ -36,6 +36,8 @@ class Qwen3Args(DecoderArgs):
     """lm_head shares the embedding matrix."""
     qk_norm: bool = True
     """Per-head RMSNorm on q and k (Qwen3); False gives the Llama-3 attention."""
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2/Qwen2.5; never on o_proj)."""
     rope_scaling: dict | None = None
     """HF ``rope_scaling`` (Llama-3.1+: rope_type llama3, factor, low/high_freq_factor,
     original_max_position_embeddings); None for plain RoPE."""
@@ -60,7 +62,7 @@ class Qwen3Args(DecoderArgs):
         cfg = {
             "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
             "model_type": "qwen3" if qwen3 else "llama",
-            **{f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("qk_norm",)},
+            **{f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("qk_norm", "qkv_bias")},
             "hidden_act": "silu",
             "attention_bias": False,
             "attention_dropout": 0.0,
