@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from models.targets.qwen3 import Qwen3Args, Qwen3Model, load_hf_state_dict, load_hf_tables, qwen3_flavors
+from models.targets.qwen3 import (
+    Qwen3Args,
+    Qwen3Model,
+    load_hf_state_dict,
+    load_hf_tables,
+    qwen3_flavors,
+    save_hf_checkpoint,
+)
 from models.targets.qwen3.args import hf_decoder_kwargs
 from titan_draft.protocols.target_spec import TargetSpec, register_target_spec
 
@@ -40,6 +47,7 @@ register_target_spec(
         args_from_hf_config=args_from_hf_config,
         load_hf_state_dict=load_hf_state_dict,
         load_tables=load_hf_tables,
+        save_hf_checkpoint=save_hf_checkpoint,
         flavors=TARGET_FLAVORS,
         # Qwen2's q/k/v biases are part of the architecture (HF's Qwen2 has no switch for them)
         config_features=("attention_bias",),

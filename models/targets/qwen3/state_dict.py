@@ -201,18 +201,22 @@ def load_hf_tables(folder: str, args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def save_hf_checkpoint(model: torch.nn.Module, folder: str, *, dtype: torch.dtype,
-                       max_shard_bytes: int = 0) -> list[str]:
+                       max_shard_bytes: int = 0,
+                       hf_keys: Callable[[str, torch.Tensor], list[tuple[str, int | None]]] = _whole_hf_key,
+                       ) -> list[str]:
     """Write ``model``'s weights as an HF checkpoint: ``model.safetensors``, or shards plus
     ``model.safetensors.index.json`` when the weights exceed ``max_shard_bytes`` (> 0).
 
     Tied weights are stored once (``lm_head.weight`` omitted, as HF does). Returns the files
     written. The model must be unsharded (this is for small random targets and tests).
+    ``hf_keys``: as in :func:`load_hf_state_dict` (stacked tensors are written one row per key).
     """
     tied = bool(getattr(model.args, "tie_word_embeddings", False))
     tensors = {
-        local_key_to_hf(k): v.detach().to("cpu", dtype).contiguous()
+        hf: (v if row is None else v[row]).detach().to("cpu", dtype).contiguous()
         for k, v in model.state_dict().items()
         if not (tied and k == "lm_head.weight")
+        for hf, row in hf_keys(k, v)
     }
     os.makedirs(folder, exist_ok=True)
     metadata = {"format": "pt"}  # transformers refuses safetensors files without it

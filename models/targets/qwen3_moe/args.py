@@ -50,6 +50,13 @@ class Qwen3MoeArgs(Qwen3Args):
         if self.decoder_sparse_step < 1:
             raise ValueError(f"qwen3_moe: decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
 
+    def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict:
+        """``config.json`` dict of an HF ``Qwen3MoeForCausalLM`` with these args."""
+        cfg = super().to_hf_config(torch_dtype)
+        cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", output_router_logits=False,
+                   router_aux_loss_coef=0.001)
+        return cfg
+
     def is_sparse_layer(self, layer_id: int) -> bool:
         """Whether decoder layer ``layer_id`` routes to experts (HF's rule)."""
         return (layer_id not in self.mlp_only_layers and self.num_experts > 0

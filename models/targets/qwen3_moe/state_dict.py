@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from models.targets.qwen3.state_dict import hf_key_to_local, load_hf_state_dict, local_key_to_hf
+from models.targets.qwen3.state_dict import hf_key_to_local, load_hf_state_dict, local_key_to_hf, save_hf_checkpoint
 
 _HF_EXPERT = re.compile(r"^model\.(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LOCAL_EXPERTS = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
@@ -34,3 +34,9 @@ def load_moe_state_dict(model: torch.nn.Module, folder: str) -> None:
     """Load an HF Qwen3-MoE folder into ``model`` (plain or FSDP2-sharded: each rank reads only
     its experts), with every key and shape checked first (``load_hf_state_dict``)."""
     load_hf_state_dict(model, folder, hf_keys=hf_keys, local_key=local_key)
+
+
+def save_moe_checkpoint(model: torch.nn.Module, folder: str, *, dtype: torch.dtype,
+                        max_shard_bytes: int = 0) -> list[str]:
+    """Write ``model`` (unsharded) as an HF Qwen3-MoE checkpoint: one tensor per expert."""
+    return save_hf_checkpoint(model, folder, dtype=dtype, max_shard_bytes=max_shard_bytes, hf_keys=hf_keys)

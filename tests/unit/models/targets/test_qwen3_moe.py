@@ -135,3 +135,25 @@ def test_qwen3_30b_a3b_flavor_has_the_published_shape():
     assert tuple(experts.gate_proj.shape) == (128, 768, 2048) and tuple(experts.down_proj.shape) == (128, 2048, 768)
     assert all(type(layer.mlp) is SparseMoE for layer in model.layers.values())
     assert 30.0e9 < total < 31.0e9  # "30B" (30.5B with the untied head)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2"])
+def test_written_random_folder_is_what_transformers_reads(tmp_path, family):
+    """A random-weight target saved by its family (weights + to_hf_config) is the same model to
+    transformers: the layout a user's real checkpoint has."""
+    transformers = pytest.importorskip("transformers")
+    from dataclasses import replace
+
+    from titan_draft.protocols.target_spec import get_target_spec
+
+    spec = get_target_spec(family)
+    args = replace(spec.flavors["debugmodel"], vocab_size=500, num_hidden_layers=3)
+    model = spec.model_cls(args)
+    model.init_weights(seed=11)
+    spec.save_hf_checkpoint(model, str(tmp_path), dtype=torch.float32)
+    (tmp_path / "config.json").write_text(json.dumps(args.to_hf_config("float32")))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    ids = torch.randint(0, 500, (2, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, rtol=1e-4, atol=1e-4)
+    assert load_target(str(tmp_path), dtype=torch.float32).family == family
