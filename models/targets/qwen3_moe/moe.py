@@ -2,7 +2,7 @@
 
 The experts' weights are stacked, ``[E, ...]`` per projection, so FSDP2 shards them along the
 expert dim like any other tensor, and the forward is three grouped GEMMs over the tokens sorted
-by expert (``torch._grouped_mm``: one kernel per projection on CUDA, whatever E is), never a
+by expert (``torch._grouped_mm`` in bf16: one kernel per projection, whatever E is), never a
 Python loop over experts.
 """
 
@@ -15,8 +15,23 @@ from torch import nn
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """``x [N, in]`` rows sorted by group times ``w [G, out, in]`` (a Linear's layout per group):
-    rows ``ends[g - 1] .. ends[g] - 1`` go through ``w[g]``; ``[N, out]``."""
-    return torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+    rows ``ends[g - 1] .. ends[g] - 1`` go through ``w[g]``; ``[N, out]``.
+
+    bf16 (the GPU target's dtype) runs ``torch._grouped_mm``, one kernel for all groups; it takes
+    no other dtype (its compile-time shape check refuses them), so fp32/fp64 (CPU tests, fp32
+    evals) pad every group to the largest one and run one ``bmm``: the same product, no loop."""
+    if x.dtype == torch.bfloat16:
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+    return _padded_bmm(x, w, ends)
+
+
+def _padded_bmm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    group = torch.repeat_interleave(torch.arange(w.shape[0], device=x.device), counts.long(), output_size=x.shape[0])
+    slot = torch.arange(x.shape[0], device=x.device) - (ends - counts).long()[group]
+    padded = x.new_zeros(w.shape[0], int(counts.max()), x.shape[1])
+    padded[group, slot] = x
+    return torch.bmm(padded, w.transpose(-2, -1))[group, slot]
 
 
 class StackedExperts(nn.Module):

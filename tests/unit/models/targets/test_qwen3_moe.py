@@ -30,29 +30,51 @@ def _reference_moe(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("norm", [True, False])
-def test_grouped_experts_match_a_per_token_reference(norm):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_match_a_per_token_reference(norm, dtype):
     torch.manual_seed(0)
     moe = SparseMoE(dim=24, hidden_dim=40, num_experts=7, top_k=3, norm_topk_prob=norm)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.3)
-        moe.gate.weight[6] = -100.0  # expert 6 gets no token: an empty group in the middle of none
-    x = torch.randn(2, 9, 24)
+        moe.gate.weight[6] = -100.0  # expert 6 gets no token: an empty group
+    moe.to(dtype)
+    x = torch.randn(2, 9, 24).to(dtype)
+    # one grouped GEMM (bf16) or one padded bmm (other dtypes) per projection, however many experts
+    kernel = "_grouped_mm" if dtype == torch.bfloat16 else "bmm"
     calls = []
-    real = torch._grouped_mm
+    real = getattr(torch, kernel)
 
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    torch._grouped_mm = counting
+    setattr(torch, kernel, counting)
     try:
         with torch.no_grad():
             got = moe(x)
     finally:
-        torch._grouped_mm = real
-    assert len(calls) == 3  # gate, up, down: one grouped GEMM each, however many experts
-    torch.testing.assert_close(got.double().reshape(-1, 24), _reference_moe(moe, x), rtol=1e-5, atol=1e-5)
+        setattr(torch, kernel, real)
+    assert len(calls) == 3
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.double().reshape(-1, 24), _reference_moe(moe, x), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_capture_equals_eager(dtype):
+    """compile.target: the MoE layers compile (in bf16 through the grouped GEMM's compile-time
+    checks) and capture what eager captures."""
+    model = Qwen3MoeModel(qwen3_moe_flavors["debugmodel"])
+    model.init_weights(seed=1)
+    model.requires_grad_(False)
+    model.to(dtype)
+    ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+    eager = model.capture(ids, [1, 3])
+    model.compile_capture("aot_eager")
+    compiled = model.capture(ids, [1, 3])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
 
 
 def _moe_folder(tmp_path) -> tuple[dict, dict, Qwen3MoeModel]:
