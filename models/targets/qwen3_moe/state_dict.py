@@ -8,7 +8,12 @@ import re
 
 import torch
 
-from models.targets.qwen3.state_dict import hf_key_to_local, load_hf_state_dict, local_key_to_hf, save_hf_checkpoint
+from models.targets.qwen3.state_dict import (
+    hf_key_to_local,
+    load_hf_state_dict,
+    local_key_to_hf,
+    save_hf_checkpoint,
+)
 
 _HF_EXPERT = re.compile(r"^model\.(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LOCAL_EXPERTS = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")

@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
-
 from helpers import spawn_ranks, write_rank_result
+
 from titan_draft import load_target
 
 transformers = pytest.importorskip("transformers")

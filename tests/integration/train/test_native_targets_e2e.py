@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from helpers import debug_job_argv
+
 from titan_draft.config import ConfigManager
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.eval import main as eval_main
