@@ -7,7 +7,8 @@ steps, in a fresh subprocess, so that peak memory and compile counters are its o
 from the in-memory synthetic source (``data.source = "synthetic:<mode>"``) through the job's
 torchdata pipeline; the features from a synthetic target (``target.flavor =
 "synthetic:qwen3_8b"``: random captured features, no forward) or, for the online rows, from a
-random-weight Qwen3-8B-shaped target. See docs/performance.md.
+random-weight Qwen3-8B-shaped target (``--targets online``) or Qwen3-30B-A3B-shaped MoE target
+(``--targets online_moe``). See docs/performance.md.
 
     python scripts/benchmark.py --out outputs/bench                      # the default matrix (24 cases)
     python scripts/benchmark.py --drafts dflash --modes varmask --variants float8 --profile float8
@@ -53,9 +54,17 @@ DRAFTS = {  # name -> (ModelSpec, production flavor, debug flavor)
     "dspark": ("dspark", "qwen3_8b", "debugmodel"),
 }
 DEFAULT_DRAFTS = ("dflash", "dflash2")  # the default matrix; EAGLE-3's and DSpark's rows with --drafts
-TARGETS = {  # name -> target.flavor at (production, tiny) shape
-    "synthetic": ("synthetic:qwen3_8b", "synthetic:debugmodel"),
-    "online": ("qwen3_8b", "debugmodel"),
+TARGETS = {  # name -> target.flavor at (production, tiny) shape, target.family
+    "synthetic": ("synthetic:qwen3_8b", "synthetic:debugmodel", "qwen3"),
+    "online": ("qwen3_8b", "debugmodel", "qwen3"),
+    # a random-weight Qwen3-30B-A3B-shaped mixture-of-experts target (128 experts, top 8)
+    "online_moe": ("qwen3_30b_a3b", "debugmodel", "qwen3_moe"),
+}
+# A draft works at its target's width: the production draft flavors are Qwen3-8B's (hidden 4096),
+# so a target of another width gives them its attention and MLP shape (every draft's args have
+# these names). Qwen3-30B-A3B: hidden 2048, 32 query / 4 key-value heads of 128, dense MLP 6144.
+TARGET_DRAFT_ARGS = {
+    "online_moe": {"hidden_size": 2048, "intermediate_size": 6144, "num_key_value_heads": 4},
 }
 # synthetic rows (fixed: every position real; varmask: a 20-80 % prompt; varlen: lengths from
 # max_length / 8 up; first_exchange / conversation: the recorded lengths of ShareGPT's first
@@ -104,6 +113,8 @@ class Case:
             "--model.name", DRAFTS[self.draft][0],
             "--model.flavor", DRAFTS[self.draft][1 + shape],
             "--target.flavor", TARGETS[self.target][shape],
+            "--target.family", TARGETS[self.target][2],
+            *self.draft_args(),
             "--data.source", data_source(self.mode),
             "--data.max_length", str(seq),
             "--training.local_batch_size", str(batch),
@@ -115,6 +126,13 @@ class Case:
             "--metrics.log_freq", str(total_steps),
             *VARIANTS[self.variant],
         ]
+
+
+    def draft_args(self) -> list[str]:
+        """``model.args`` overrides that fit the production draft flavor to the target's width."""
+        if self.tiny:  # the debug flavors all share one width
+            return []
+        return [a for k, v in TARGET_DRAFT_ARGS.get(self.target, {}).items() for a in (f"--model.args.{k}", str(v))]
 
 
 def _csv(value: str) -> list[str]:
@@ -267,8 +285,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--accum", type=lambda s: [int(v) for v in _csv(s)], default=[1, 4],
                    help="comma list of training.grad_accum_steps values")
     p.add_argument("--targets", type=_csv, default=["synthetic", "online"],
-                   help="comma list of synthetic (random features, no target forward) and online "
-                        "(random-weight Qwen3-8B-shaped target); the first one gets the full ladder")
+                   help="comma list of synthetic (random features, no target forward), online "
+                        "(random-weight Qwen3-8B-shaped target) and online_moe (random-weight "
+                        "Qwen3-30B-A3B-shaped MoE target); the first one gets the full ladder")
     p.add_argument("--side-variants", type=_csv, default=None,
                    help="variants run for the side rows (accum values after the first, targets after "
                         "the first; first mode only), or 'all' (default: eager and float8 where run)")

@@ -70,30 +70,36 @@ def build_target_tokenizer(cfg, vocab_size: int):
 
 def read_hf_config(folder: str) -> dict:
     """config.json of an HF checkpoint folder whose model_type a target family supports and
-    whose features (no quantization, sliding window or biases) the target modules implement."""
+    whose optional features (quantization, sliding window, biases) that family implements."""
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
         raise ValueError(f"target.path: {folder!r} has no config.json (expected an HF checkpoint folder)")
     with open(cfg_path) as f:
         hf_config = json.load(f)
-    target_spec_for_model_type(hf_config.get("model_type"), cfg_path)
-    _check_supported(hf_config, cfg_path)
+    spec = target_spec_for_model_type(hf_config.get("model_type"), cfg_path)
+    _check_supported(hf_config, cfg_path, spec)
     return hf_config
 
 
-def _check_supported(hf_config: dict, cfg_path: str) -> None:
-    """Refuse config.json features the target modules do not implement (they would load and
+# config.json switches that change what a decoder computes; a family lists those it implements
+_FEATURES = {
+    "attention_bias": "sets attention_bias=true",
+    "mlp_bias": "sets mlp_bias=true",
+    "use_sliding_window": "enables sliding-window attention",
+}
+
+
+def _check_supported(hf_config: dict, cfg_path: str, spec) -> None:
+    """Refuse config.json features the family's modules do not implement (they would load and
     then compute something else than the served model)."""
     if hf_config.get("quantization_config"):
         method = hf_config["quantization_config"].get("quant_method", "?")
         raise ValueError(f"target.path: {cfg_path} is a quantized checkpoint ({method}); "
                          "use the unquantized (bf16) weights")
-    if hf_config.get("use_sliding_window"):
-        raise ValueError(f"target.path: {cfg_path} enables sliding-window attention, which the "
-                         "target does not implement")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf_config.get(key):
-            raise ValueError(f"target.path: {cfg_path} sets {key}=true, which is not supported")
+    for key, what in _FEATURES.items():
+        if hf_config.get(key) and key not in spec.config_features:
+            raise ValueError(f"target.path: {cfg_path} {what}, which the {spec.family} target "
+                             "family does not implement")
 
 
 def _resolve_device(device) -> torch.device:
@@ -122,7 +128,7 @@ def _freeze_and_place(model: nn.Module, device: torch.device, dtype: torch.dtype
 def load_target(path: str, *, dtype: torch.dtype = torch.bfloat16, device="cpu", mesh=None) -> nn.Module:
     """Load a frozen target from a local HF checkpoint folder.
 
-    Reads ``config.json``, picks the family from ``model_type`` (``qwen3``, ``llama``), builds
+    Reads ``config.json``, picks the family from ``model_type`` (``qwen3``, ``llama``, ``qwen2``, ``qwen3_moe``), builds
     the model on the meta device and loads ``model.safetensors`` or the shards listed in
     ``model.safetensors.index.json``. Every key and shape is checked before any weight is copied.
 

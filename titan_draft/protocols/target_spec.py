@@ -50,6 +50,10 @@ class TargetSpec:
     """(model, folder, *, dtype, max_shard_bytes) -> None: writes the HF weights (random targets)."""
     flavors: dict[str, Any] = field(default_factory=dict)
     """Random-weight architectures (``target.flavor``), for tests and benchmarks."""
+    config_features: tuple[str, ...] = ()
+    """The optional ``config.json`` features this family implements (``attention_bias``,
+    ``mlp_bias``, ``use_sliding_window``): a folder that turns on any other one is refused
+    when it is read, since the model would load and then compute something else."""
 
 
 @dataclass

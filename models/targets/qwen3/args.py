@@ -36,6 +36,8 @@ class Qwen3Args(DecoderArgs):
     """lm_head shares the embedding matrix."""
     qk_norm: bool = True
     """Per-head RMSNorm on q and k (Qwen3); False gives the Llama-3 attention."""
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2/Qwen2.5; never on o_proj)."""
     rope_scaling: dict | None = None
     """HF ``rope_scaling`` (Llama-3.1+: rope_type llama3, factor, low/high_freq_factor,
     original_max_position_embeddings); None for plain RoPE."""
@@ -55,12 +57,15 @@ class Qwen3Args(DecoderArgs):
 
     def to_hf_config(self, torch_dtype: str = "bfloat16") -> dict:
         """``config.json`` dict of an HF ``Qwen3ForCausalLM`` (``LlamaForCausalLM`` when
-        ``qk_norm`` is False) with these args; :meth:`from_hf_config` reads it back."""
+        ``qk_norm`` is False, ``Qwen2ForCausalLM`` with ``qkv_bias``) with these args; the
+        family's ``args_from_hf_config`` reads it back."""
         qwen3 = self.qk_norm
+        model_type = "qwen3" if qwen3 else ("qwen2" if self.qkv_bias else "llama")
         cfg = {
-            "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
-            "model_type": "qwen3" if qwen3 else "llama",
-            **{f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("qk_norm",)},
+            "architectures": [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                               "llama": "LlamaForCausalLM"}[model_type]],
+            "model_type": model_type,
+            **{f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("qk_norm", "qkv_bias")},
             "hidden_act": "silu",
             "attention_bias": False,
             "attention_dropout": 0.0,
@@ -68,10 +73,12 @@ class Qwen3Args(DecoderArgs):
             "use_cache": True,
             "torch_dtype": torch_dtype,
         }
-        if qwen3:
-            cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers)
-        else:
+        if model_type == "llama":
             cfg["mlp_bias"] = False
+        else:
+            cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_hidden_layers)
+        if model_type == "qwen2":  # HF's Qwen2 has its q/k/v biases always, and no switch for them
+            del cfg["attention_bias"]
         return cfg
 
     @classmethod

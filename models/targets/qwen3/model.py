@@ -31,7 +31,16 @@ from titan_draft.protocols.target_spec import check_capture_layer_ids
 
 
 class Qwen3Attention(QKNormProjections):
-    """Causal GQA self-attention with per-head q/k RMSNorm (Qwen3; none for Llama-3)."""
+    """Causal GQA self-attention with per-head q/k RMSNorm (Qwen3; none for Llama-3 and Qwen2)
+    and, with ``args.qkv_bias``, biased q/k/v projections (Qwen2). Every target family runs this
+    one attention, so what the capture path learns (packing, masks) reaches all of them."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        if getattr(args, "qkv_bias", False):
+            for name in ("q_proj", "k_proj", "v_proj"):
+                plain = getattr(self, name)
+                setattr(self, name, nn.Linear(plain.in_features, plain.out_features, bias=True))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv: LayerCache | None = None, mask: AttentionMask | None = None) -> torch.Tensor:
@@ -72,10 +81,13 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, args: Qwen3Args):
+    """Attention then feed-forward, each pre-normed and residual. ``mlp``: the feed-forward
+    module (default: the dense SwiGLU; a mixture-of-experts family passes its own)."""
+
+    def __init__(self, args: Qwen3Args, mlp: nn.Module | None = None):
         super().__init__()
         self.self_attn = Qwen3Attention(args)
-        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size)
+        self.mlp = mlp if mlp is not None else SwiGLU(args.hidden_size, args.intermediate_size)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -102,14 +114,17 @@ class Qwen3Model(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleDict(
-            {str(i): Qwen3DecoderLayer(args) for i in range(args.num_hidden_layers)}
-        )
+        self.layers = nn.ModuleDict({str(i): self.build_layer(i) for i in range(args.num_hidden_layers)})
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._capture_layer = _call_layer  # compile_capture swaps in a compiled one
+
+    def build_layer(self, layer_id: int) -> nn.Module:
+        """Decoder layer ``layer_id`` (a family whose layers differ, e.g. by their MLP,
+        overrides this)."""
+        return Qwen3DecoderLayer(self.args)
 
     def compile_capture(self, backend: str = "inductor") -> None:
         """Compile the decoder layer call of the capture path (no cache): one graph

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 from safetensors import safe_open
@@ -76,10 +77,19 @@ def _shard_rows(param: DTensor) -> tuple[int, int]:
     return start, rows
 
 
-def _copy_from_file(dst: torch.Tensor, f, key: str) -> None:
-    """Copy checkpoint tensor ``key`` into ``dst``. For an FSDP2-sharded ``dst`` only this
-    rank's rows are read from the file (safetensors slices are read lazily from the mmap), so
-    no rank ever holds the full model."""
+def _copy_from_file(dst: torch.Tensor, f, key: str, row: int | None = None) -> None:
+    """Copy checkpoint tensor ``key`` into ``dst`` (into its ``row`` along dim 0 when given). For
+    an FSDP2-sharded ``dst`` only this rank's rows are read from the file (safetensors slices
+    are read lazily from the mmap), so no rank ever holds the full model."""
+    if row is not None:
+        if isinstance(dst, DTensor):
+            start, rows = _shard_rows(dst)
+            if start <= row < start + rows:
+                local = dst.to_local()[row - start]
+                local.copy_(f.get_slice(key)[:].to(device=local.device, dtype=local.dtype))
+        else:
+            dst[row].copy_(f.get_tensor(key))
+        return
     if isinstance(dst, DTensor):
         start, rows = _shard_rows(dst)
         if rows == 0:
@@ -91,14 +101,29 @@ def _copy_from_file(dst: torch.Tensor, f, key: str) -> None:
         copy_full_(dst, f.get_tensor(key))
 
 
+def _whole_hf_key(local: str, tensor: torch.Tensor) -> list[tuple[str, int | None]]:
+    return [(local_key_to_hf(local), None)]
+
+
+def _whole_local_key(key: str) -> tuple[str, int | None]:
+    return hf_key_to_local(key), None
+
+
 @torch.no_grad()
-def load_hf_state_dict(model: torch.nn.Module, folder: str) -> None:
+def load_hf_state_dict(model: torch.nn.Module, folder: str, *,
+                       hf_keys: Callable[[str, torch.Tensor], list[tuple[str, int | None]]] = _whole_hf_key,
+                       local_key: Callable[[str], tuple[str, int | None]] = _whole_local_key) -> None:
     """Load an HF Qwen3 checkpoint folder into ``model`` (plain or FSDP2-sharded parameters).
 
     Every key and shape is checked before anything is copied, so a bad checkpoint leaves the
     model untouched. Raises ``KeyError`` naming unexpected/missing keys (and the file), and
     ``ValueError`` naming a key whose shape differs. With tied embeddings ``lm_head.weight`` is
     the embedding and a stored ``lm_head.weight`` is ignored.
+
+    A family whose local tensors stack several HF tensors (mixture-of-experts: one
+    ``[E, ...]`` tensor for the E experts' weights) passes ``hf_keys`` (local key, tensor ->
+    the HF keys it holds, each with its row along dim 0, or None for the whole tensor) and
+    ``local_key``, its inverse (HF key -> local key and row).
     """
     tied = bool(getattr(model.args, "tie_word_embeddings", False))
     if tied:
@@ -106,8 +131,9 @@ def load_hf_state_dict(model: torch.nn.Module, folder: str) -> None:
     expected = dict(model.state_dict())
     if tied:
         expected.pop("lm_head.weight", None)
+    wanted = {(local, row): hf for local, t in expected.items() for hf, row in hf_keys(local, t)}
 
-    plan: list[tuple[str, str, str]] = []  # (file, hf key, local key)
+    plan: list[tuple[str, str, str, int | None]] = []  # (file, hf key, local key, row)
     files, weight_map = _checkpoint_files(folder)
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -120,37 +146,34 @@ def load_hf_state_dict(model: torch.nn.Module, folder: str) -> None:
                     )
                 if key.endswith(_IGNORED_SUFFIXES):
                     continue
-                local = hf_key_to_local(key)
+                local, row = local_key(key)
                 if tied and local == "lm_head.weight":
                     continue
-                if local not in expected:
+                if (local, row) not in wanted:
                     raise KeyError(f"unexpected key {key!r} in {path}")
                 shape = tuple(f.get_slice(key).get_shape())
-                want = tuple(expected[local].shape)
+                want = tuple(expected[local].shape)[0 if row is None else 1:]
                 if shape != want:
                     raise ValueError(
                         f"shape mismatch for {key!r} in {path}: checkpoint {shape}, model {want}"
                     )
-                plan.append((path, key, local))
-    seen = Counter(local for _, _, local in plan)
-    duplicates = sorted(k for k, c in seen.items() if c > 1)
+                plan.append((path, key, local, row))
+    seen = Counter((local, row) for _, _, local, row in plan)
+    duplicates = sorted(wanted[k] for k, c in seen.items() if c > 1)
     if duplicates:
-        raise KeyError(
-            f"keys stored more than once in {folder}: {[local_key_to_hf(k) for k in duplicates]}"
-        )
-    missing = sorted(set(expected) - set(seen))
-    if missing:
-        names = [local_key_to_hf(k) for k in missing]
+        raise KeyError(f"keys stored more than once in {folder}: {duplicates}")
+    names = sorted(wanted[k] for k in set(wanted) - set(seen))
+    if names:
         where = ""
         if weight_map is not None and names[0] in weight_map:
             where = f" (the index maps {names[0]!r} to {weight_map[names[0]]!r}, which lacks it)"
         raise KeyError(f"missing keys in {folder}: {names}{where}")
 
-    for path in sorted({p for p, _, _ in plan}):
+    for path in sorted({p for p, _, _, _ in plan}):
         with safe_open(path, framework="pt", device="cpu") as f:
-            for p, key, local in plan:
+            for p, key, local, row in plan:
                 if p == path:
-                    _copy_from_file(expected[local], f, key)
+                    _copy_from_file(expected[local], f, key, row)
 
 
 def load_hf_tables(folder: str, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,18 +201,22 @@ def load_hf_tables(folder: str, args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def save_hf_checkpoint(model: torch.nn.Module, folder: str, *, dtype: torch.dtype,
-                       max_shard_bytes: int = 0) -> list[str]:
+                       max_shard_bytes: int = 0,
+                       hf_keys: Callable[[str, torch.Tensor], list[tuple[str, int | None]]] = _whole_hf_key,
+                       ) -> list[str]:
     """Write ``model``'s weights as an HF checkpoint: ``model.safetensors``, or shards plus
     ``model.safetensors.index.json`` when the weights exceed ``max_shard_bytes`` (> 0).
 
     Tied weights are stored once (``lm_head.weight`` omitted, as HF does). Returns the files
     written. The model must be unsharded (this is for small random targets and tests).
+    ``hf_keys``: as in :func:`load_hf_state_dict` (stacked tensors are written one row per key).
     """
     tied = bool(getattr(model.args, "tie_word_embeddings", False))
     tensors = {
-        local_key_to_hf(k): v.detach().to("cpu", dtype).contiguous()
+        hf: (v if row is None else v[row]).detach().to("cpu", dtype).contiguous()
         for k, v in model.state_dict().items()
         if not (tied and k == "lm_head.weight")
+        for hf, row in hf_keys(k, v)
     }
     os.makedirs(folder, exist_ok=True)
     metadata = {"format": "pt"}  # transformers refuses safetensors files without it

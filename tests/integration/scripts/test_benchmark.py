@@ -563,3 +563,37 @@ def test_real_data_modes_and_padding_figures():
     r = summarize([rec] * 3, 1, 2, world=1, flops_per_step=1.0, peak_flops=None)
     assert r["padding_pct"] == pytest.approx(25.0)
     assert r["tokens_per_s"] == pytest.approx(384.0) and r["samples_per_s"] == pytest.approx(14.0)
+
+
+@pytest.mark.slow
+def test_benchmark_tiny_moe_target(tmp_path):
+    """The online_moe row runs a real Trainer against a random-weight Qwen3-MoE target (the tiny
+    flavor on CPU), and run_info names that target."""
+    cmd = [sys.executable, SCRIPT, "--tiny", "--drafts", "dflash2", "--modes", "varmask", "--accum", "1",
+           "--targets", "online_moe", "--variants", "eager", "--warmup", "0", "--steps", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads((tmp_path / "tiny-dflash2-varmask-acc1-online_moe-eager.json").read_text())
+    assert r["status"] == "ok" and r["run_info"]["target"] == "random:debugmodel"
+    assert r["overrides"][r["overrides"].index("--target.family") + 1] == "qwen3_moe"
+    assert math.isfinite(r["final_loss"]) and r["step_ms_median"] > 0
+
+
+@pytest.mark.parametrize("draft", ["dflash", "dflash2", "eagle3", "dspark"])
+def test_moe_target_row_fits_each_production_draft_to_its_width(draft, tok):
+    """At the production shape the online_moe case's job resolves: the Qwen3-8B-shaped draft
+    flavor takes the Qwen3-30B-A3B target's width, and its capture layers lie in its 48 layers."""
+    from titan_draft.components.model_args import resolve_model_args
+    from titan_draft.data.chat.format import build_chat_format
+    from titan_draft.protocols.model_spec import get_model_spec
+    from titan_draft.protocols.target_spec import random_target_args
+
+    bench = _load_benchmark_module()
+    cfg = ConfigManager().parse_args(bench.Case(draft, "varmask", 1, "online_moe", "float8").overrides(2, 2048, 13, "/x"))
+    target = random_target_args(cfg.target.family, cfg.target.flavor)
+    assert (cfg.target.family, target.num_experts, target.hidden_size) == ("qwen3_moe", 128, 2048)
+    spec = get_model_spec(cfg.model.name)
+    args = resolve_model_args(spec, cfg, target, tok, build_chat_format(cfg.data, tok))
+    assert args.hidden_size == 2048
+    with torch.device("meta"):
+        spec.model_cls(args)  # the shapes fit together

@@ -109,8 +109,8 @@ def _bad_folders(root):
     d = root / "no_config"
     d.mkdir()
     cases.append(("no config.json", str(d), ValueError, "has no config.json"))
-    cases.append(("unknown model_type", write_folder(root / "moe", config_patch={"model_type": "qwen3_moe"}),
-                  ValueError, "model_type 'qwen3_moe'; supported"))
+    cases.append(("unknown model_type", write_folder(root / "gemma", config_patch={"model_type": "gemma2"}),
+                  ValueError, "model_type 'gemma2'; supported"))
     cases.append(("quantized", write_folder(root / "fp8", config_patch={"quantization_config": {"quant_method": "fp8"}}),
                   ValueError, r"quantized checkpoint \(fp8\)"))
     cases.append(("sliding window", write_folder(root / "swa", config_patch={"use_sliding_window": True}),

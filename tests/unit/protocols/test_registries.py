@@ -42,7 +42,9 @@ def test_engine_imports_no_model_package():
 def test_target_families_by_model_type():
     assert target_spec_for_model_type("qwen3", "x").family == "qwen3"
     assert target_spec_for_model_type("llama", "x").family == "llama3"
-    with pytest.raises(ValueError, match=r"x has model_type 'mistral'; supported: \['llama', 'qwen3'\]"):
+    assert target_spec_for_model_type("qwen2", "x").family == "qwen2"
+    assert target_spec_for_model_type("qwen3_moe", "x").family == "qwen3_moe"
+    with pytest.raises(ValueError, match=r"x has model_type 'mistral'; supported: \['llama', 'qwen2', 'qwen3', 'qwen3_moe'\]"):
         target_spec_for_model_type("mistral", "x")
     with pytest.raises(ValueError, match=r"target.family: 'gpt2' is not a registered target family"):
         get_target_spec("gpt2")

@@ -28,7 +28,23 @@ CASES = {
                       dict(tie_word_embeddings=False, rope_theta=500000.0, rope_scaling=LLAMA_SCALING)),
     "llama3_plain_tied": ("llama3", "LlamaConfig", "LlamaForCausalLM",
                           dict(tie_word_embeddings=True, rope_theta=10000.0)),
+    # Qwen2.5: q/k/v biases (given random values below: HF starts them at zero), no q/k norms
+    "qwen2_biases": ("qwen2", "Qwen2Config", "Qwen2ForCausalLM",
+                     dict(tie_word_embeddings=False, rope_theta=1e6)),
+    "qwen2_tied": ("qwen2", "Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    # Qwen3-MoE: 6 experts, top-2, layer 1 dense (mlp_only_layers); with and without renormalized
+    # router weights; the second one also sparse only every 2nd layer (decoder_sparse_step)
+    "qwen3_moe_norm_topk": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                            dict(head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
+                                 norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False)),
+    "qwen3_moe_raw_topk": ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                           dict(head_dim=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
+                                norm_topk_prob=False, mlp_only_layers=[2], decoder_sparse_step=2,
+                                tie_word_embeddings=True)),
 }
+# HF parameters that start at a constant (norms 1, biases 0, the MoE router 0): random values make
+# a missed or misplaced one show
+_CONSTANT_AT_INIT = ("norm", "bias", "mlp.gate.weight")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -37,9 +53,9 @@ def test_capture_and_logits_match_transformers(tmp_path, case):
     torch.manual_seed(0)
     config = getattr(transformers, config_cls)(**COMMON, **extra)
     hf = getattr(transformers, model_cls)(config).float().eval()
-    with torch.no_grad():  # non-trivial norms, so a missed norm weight shows
+    with torch.no_grad():
         for name, p in hf.named_parameters():
-            if "norm" in name:
+            if any(part in name for part in _CONSTANT_AT_INIT):
                 p.add_(0.3 * torch.randn_like(p))
     # one case saved as shards + index, the layout of every real multi-GB checkpoint
     hf.save_pretrained(tmp_path, **({"max_shard_size": "100KB"} if case == "qwen3_tied" else {}))
@@ -52,6 +68,10 @@ def test_capture_and_logits_match_transformers(tmp_path, case):
     assert model.family == family and model.args.num_key_value_heads == 2  # GQA
     if "rope_scaling" in extra:
         assert model.args.rope_scaling and model.args.rope_scaling["rope_type"] == "llama3"
+    if family == "qwen3_moe":  # the layers HF makes dense are dense here
+        sparse = [type(layer.mlp).__name__ == "SparseMoE" for layer in model.layers.values()]
+        assert sparse == [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in hf.model.layers]
+        assert sparse.count(False) >= 1 and sparse.count(True) >= 1
 
     # long enough that positions pass original_max_position_embeddings (the scaled band)
     ids = torch.randint(0, COMMON["vocab_size"], (2, 200), generator=torch.Generator().manual_seed(1))
