@@ -3,8 +3,8 @@ of packed rows): query ``q`` sees key ``kv`` iff ``starts[q] <= kv <= q``, ``sta
 first position of ``q``'s document (``TargetFeatures.document_spans``). A packed document's
 captured features are then those of the same document alone.
 
-On CUDA the mask is a flex ``BlockMask`` whose tile tables come from the per-tile ``starts``
-(never a dense ``[S, S]`` grid); on CPU the same ``mask_mod`` gives the dense boolean mask for
+On CUDA the mask is a flex ``BlockMask`` whose tile tables come from each query's one interval of
+keys (``document_mask.interval_tiles``, as the drafts' packed masks; never a dense ``[S, S]`` grid); on CPU the same ``mask_mod`` gives the dense boolean mask for
 sdpa (the CPU attention rule: flex has no CPU backward, and one mask function serves both).
 """
 
@@ -14,6 +14,7 @@ import torch
 from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE as TILE
 
 from models.common.attention import AttentionMask, dense_mask_from_mask_mod, resolve_attention_backend
+from models.common.document_mask import interval_tiles, packed_tile_error
 from models.common.tile_mask import block_mask_from_tiles
 
 __all__ = ["TILE", "build_causal_document_mask", "causal_document_mask_mod", "causal_document_tiles"]
@@ -30,25 +31,10 @@ def causal_document_mask_mod(starts: torch.Tensor):
 
 def causal_document_tiles(starts: torch.Tensor, tile: int = TILE) -> tuple[torch.Tensor, torch.Tensor]:
     """``(partial, full)`` bool ``[B, 1, n, n]`` tile grids of the causal document mask over a row
-    of ``S = n * tile`` positions.
-
-    ``starts`` never decreases along a row and ``q`` sees the keys ``[starts[q], q]``, so within a
-    query tile ``[q0, q1]`` the widest window belongs to its last query: a key tile ``[k0, k1]``
-    is visible at all iff ``k0 <= q1`` and the first query at or after ``k0`` starts its document
-    at or before ``k1``; every pair is visible iff ``k1 <= q0`` and ``starts[q1] <= k0``.
-    """
-    bsz, seq = starts.shape
-    n = seq // tile
-    lo = torch.arange(n, device=starts.device) * tile  # tile's first position
-    hi = lo + tile - 1
-    q0, q1 = lo.view(1, n, 1), hi.view(1, n, 1)
-    k0, k1 = lo.view(1, 1, n), hi.view(1, 1, n)
-    first_seen = torch.maximum(q0, k0).expand(bsz, n, n).clamp(max=seq - 1)
-    start_at = starts.gather(1, first_seen.reshape(bsz, -1)).view(bsz, n, n)
-    any_visible = (k0 <= q1) & (start_at <= k1)
-    last_start = starts[:, hi].view(bsz, n, 1)
-    full = (k1 <= q0) & (last_start <= k0)
-    return (any_visible & ~full)[:, None], full.expand(bsz, n, n)[:, None]
+    of ``S = n * tile`` positions: query ``q`` sees the one interval of keys ``[starts[q], q]``."""
+    seq = starts.shape[1]
+    q = torch.arange(seq, device=starts.device).expand_as(starts)
+    return interval_tiles(starts.to(torch.long), q + 1, tile, seq // tile)
 
 
 def build_causal_document_mask(starts: torch.Tensor, backend: str = "auto") -> AttentionMask:
@@ -60,7 +46,6 @@ def build_causal_document_mask(starts: torch.Tensor, backend: str = "auto") -> A
     if resolve_attention_backend(backend, starts.device) == "sdpa":
         return dense_mask_from_mask_mod(mask_mod, bsz, seq, seq, starts.device)
     if seq % TILE:
-        raise ValueError(f"packed rows of {seq} positions: flex attention over packed documents needs "
-                         f"data.max_length to be a multiple of {TILE}")
+        raise packed_tile_error("data.max_length", seq, TILE)
     partial, full = causal_document_tiles(starts, TILE)
     return block_mask_from_tiles(partial, full, tile=TILE, mask_mod=mask_mod, q_len=seq, kv_len=seq)
