@@ -196,3 +196,4 @@ def test_run_train_sh_sigterm_under_real_torchrun_saves_and_exits_0(tmp_path, ch
     assert any("stopped by SIGTERM after step" in line and "saved" in line for line in lines), lines[-20:]
     assert any(p.name.startswith("step-") for p in (dump / "checkpoint").iterdir())
     assert not (dump / "export").exists()  # a half-trained draft is not exported
+    assert not (dump / ".titan_draft.lock").exists()  # released and removed: nothing holds the folder

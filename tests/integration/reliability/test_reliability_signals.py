@@ -58,6 +58,7 @@ def test_sigterm_saves_the_step_and_resume_matches(tmp_path, chat_jsonl, random_
     for step in (3, 4):
         assert resumed[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), step
     assert (dump / "export" / "model.safetensors").exists()
+    assert not (dump / ".titan_draft.lock").exists()  # a clean end leaves no lock file behind
 
 
 def test_sigint_stops_the_same_way(tmp_path, chat_jsonl, random_target_dir, monkeypatch):
