@@ -242,3 +242,32 @@ def test_a_stop_during_the_trainers_start_up_exits_0(tmp_path, chat_jsonl, rando
     assert proc.stderr.strip().splitlines()[-1] == (
         "titan_draft: stopped by SIGTERM during start-up, before training began: nothing new was saved; "
         "run the same command again to start (or resume)"), proc.stderr
+
+
+def test_closing_the_terminal_of_a_real_run_saves_it(tmp_path, chat_jsonl, random_target_dir):
+    """The tiny debug job through run_train.sh in a terminal that closes mid-run: the trainer
+    saves its step, nothing of the run is left running and the dump folder is free."""
+    dump = tmp_path / "run"
+    argv = job_args(dump, chat_jsonl, random_target_dir, "--training.steps", "500", "--checkpoint.interval", "1000")
+    master, slave = os.openpty()
+    proc = subprocess.Popen(["./run_train.sh", *argv], cwd=REPO, stdin=slave, stdout=slave, stderr=slave,
+                            start_new_session=True, preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+                            env={"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "PYTHONPATH": REPO,
+                                 "NGPU": "1", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"})
+    os.close(slave)
+    try:
+        try:
+            _read_until(master, " step 2/500 ", timeout=120)
+        finally:
+            os.close(master)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while subprocess.run(["pgrep", "-f", str(dump)], capture_output=True).returncode == 0:
+            assert time.monotonic() < deadline, "the run is still running after its terminal closed"
+            time.sleep(0.2)
+    finally:
+        subprocess.run(["pkill", "-KILL", "-f", str(dump)], check=False)
+    steps = [p.name for p in (dump / "checkpoint").iterdir() if (p / ".metadata").exists()]
+    assert steps, "the stopped run saved no checkpoint"
+    assert not (dump / "export").exists()  # stopped, not finished
+    assert not (dump / ".titan_draft.lock").exists()
