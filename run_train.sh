@@ -88,6 +88,10 @@ trap forward_stop TERM INT
 own_session=()
 if command -v setsid >/dev/null 2>&1; then own_session=(setsid); fi
 
+# where the stderr filter leaves what torchrun's failure report says (see drop_launcher_report)
+failure=$(mktemp "${TMPDIR:-/tmp}/titan_draft_failure.XXXXXX")
+trap 'rm -f "$failure"' EXIT
+
 # In its own session torchrun would outlive this script: a closed terminal (SIGHUP) or a kill -9
 # of the script would leave the ranks training on, detached, holding the dump folder's lock. So a
 # watchdog holds the read end of a pipe that only this script writes to. When the script ends
@@ -104,14 +108,14 @@ watchdog() {  # stdin: torchrun's pid, then "forwarded" (the ranks have the stop
     if [ -z "$sent" ] && pkill -TERM -P "$pid" 2>/dev/null; then sent=1; fi
     sleep 0.2
   done
+  sleep 1  # the filter's last write
+  rm -f "$failure"  # the script's own cleanup did not run
 }
 exec 5> >(watchdog >/dev/null 2>&1)
 watch=$!
 
 # The stderr filter is this script's child, not torchrun's (so the forwarded signal skips it), and
 # ignores the signals (Ctrl-C reaches this script's whole process group).
-failure=$(mktemp "${TMPDIR:-/tmp}/titan_draft_failure.XXXXXX")
-trap 'rm -f "$failure"' EXIT
 exec 4> >(exec 5>&-; trap '' INT TERM HUP; drop_launcher_report "$failure" >&2)
 filter=$!
 

@@ -74,8 +74,9 @@ def launcher(tmp_path):
     (root / "titan_draft" / "train.py").write_text(FAKE_TRAINER)
     out = tmp_path / "out"
     out.mkdir()
+    (tmp_path / "tmp").mkdir()
     env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "NGPU": "1", "HOME": str(tmp_path),
-           "FAKE_OUT": str(out), "OMP_NUM_THREADS": "1"}
+           "FAKE_OUT": str(out), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path / "tmp")}
     return root, env
 
 
@@ -88,6 +89,7 @@ def _run(root, env, mode):
 def test_a_rank_killed_by_a_signal_is_named_in_the_last_line(launcher):
     rc, lines = _run(*launcher, "kill")
     assert rc == 128 + signal.SIGKILL, lines
+    assert not list((launcher[0].parent / "tmp").glob("titan_draft_*"))
     assert lines[-1].startswith("titan_draft: error: rank 0 was killed by SIGKILL (when nobody sent it, "
                                 "SIGKILL is most often the kernel's out-of-memory killer"), lines
     assert not any("ChildFailedError" in line or "Traceback" in line for line in lines), lines
@@ -129,6 +131,10 @@ def _check_the_run_ended(out, pids, expect_terms=1):
         assert not any(_alive(p) for p in pids.values()), pids
         with open(out / "lock", "w") as f:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if a process still holds it
+        deadline = time.monotonic() + 10  # the script's temporary file goes too, once torchrun is gone
+        while list((out.parent / "tmp").glob("titan_draft_*")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not list((out.parent / "tmp").glob("titan_draft_*"))
     finally:
         for pid in pids.values():
             with contextlib.suppress(ProcessLookupError):
