@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import termios
 import textwrap
 import time
 
@@ -154,6 +153,11 @@ def _read_until(fd, marker: str, timeout=60.0) -> str:
     return seen
 
 
+# a session of its own whose controlling terminal is the pty on stdin, as a terminal window's shell
+# has; closing the pty's other end then hangs up the session
+IN_A_TERMINAL = ["setsid", "--ctty"]
+
+
 def test_closing_the_terminal_stops_the_ranks_and_frees_the_lock(launcher):
     """run_train.sh in the foreground of a real terminal (a pty, its controlling terminal); the
     terminal closes (SIGHUP to the session): the ranks, in torchrun's own session, still get
@@ -161,12 +165,7 @@ def test_closing_the_terminal_stops_the_ranks_and_frees_the_lock(launcher):
     root, env = launcher
     out = root.parent / "out"
     master, slave = os.openpty()
-
-    def take_the_terminal():  # after setsid: make the pty this session's controlling terminal
-        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
-    proc = subprocess.Popen(["./run_train.sh"], cwd=root, stdin=slave, stdout=slave, stderr=slave,
-                            start_new_session=True, preexec_fn=take_the_terminal,
+    proc = subprocess.Popen([*IN_A_TERMINAL, "./run_train.sh"], cwd=root, stdin=slave, stdout=slave, stderr=slave,
                             env={**env, "FAKE_MODE": "serve"})
     os.close(slave)
     try:
@@ -256,8 +255,8 @@ def test_closing_the_terminal_of_a_real_run_saves_it(tmp_path, chat_jsonl, rando
     dump = tmp_path / "run"
     argv = job_args(dump, chat_jsonl, random_target_dir, "--training.steps", "500", "--checkpoint.interval", "1000")
     master, slave = os.openpty()
-    proc = subprocess.Popen(["./run_train.sh", *argv], cwd=REPO, stdin=slave, stdout=slave, stderr=slave,
-                            start_new_session=True, preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+    proc = subprocess.Popen([*IN_A_TERMINAL, "./run_train.sh", *argv], cwd=REPO, stdin=slave, stdout=slave,
+                            stderr=slave,
                             env={"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "PYTHONPATH": REPO,
                                  "NGPU": "1", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"})
     os.close(slave)
