@@ -24,15 +24,17 @@ import pytest
 
 from helpers import REPO, job_args
 
-# The stand-in rank. kill: dies of SIGKILL (what the OOM killer does). exit2: a job error.
+# The stand-in rank. kill: rank FAKE_KILLED_RANK dies of SIGKILL (what the OOM killer does), the
+# others serve. exit2: a job error.
 # serve: holds a lock as the trainer holds the dump folder's, and on SIGTERM "saves" (a second
 # later, counting the SIGTERMs it got) and exits 0. starting: a rank still starting Python, which
 # a SIGTERM kills.
 FAKE_TRAINER = textwrap.dedent("""
     import fcntl, json, os, signal, sys, time
     mode, out = os.environ["FAKE_MODE"], os.environ["FAKE_OUT"]
-    if mode == "kill":
+    if mode == "kill" and os.environ["RANK"] == os.environ.get("FAKE_KILLED_RANK", "0"):
         print("rank: training", file=sys.stderr, flush=True)
+        time.sleep(float(os.environ.get("FAKE_KILL_AFTER", "0")))
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "exit2":
         print("titan_draft: error: model.flavor: 'huge' is not a flavor", file=sys.stderr, flush=True)
@@ -41,6 +43,8 @@ FAKE_TRAINER = textwrap.dedent("""
         print("rank: starting", file=sys.stderr, flush=True)
         time.sleep(60)
         sys.exit(3)
+    out = os.path.join(out, os.environ["RANK"]) if os.environ["WORLD_SIZE"] != "1" else out
+    os.makedirs(out, exist_ok=True)
     lock = open(os.path.join(out, "lock"), "w")
     fcntl.flock(lock, fcntl.LOCK_EX)
     with open(os.path.join(out, "pids.json"), "w") as f:
@@ -79,9 +83,9 @@ def launcher(tmp_path):
     return root, env
 
 
-def _run(root, env, mode):
+def _run(root, env, mode, **extra):
     proc = subprocess.run(["./run_train.sh"], cwd=root, capture_output=True, text=True, timeout=120,
-                          env={**env, "FAKE_MODE": mode})
+                          env={**env, "FAKE_MODE": mode, **extra})
     return proc.returncode, (proc.stdout + proc.stderr).strip().splitlines()
 
 
@@ -92,6 +96,14 @@ def test_a_rank_killed_by_a_signal_is_named_in_the_last_line(launcher):
     assert lines[-1].startswith("titan_draft: error: rank 0 was killed by SIGKILL (when nobody sent it, "
                                 "SIGKILL is most often the kernel's out-of-memory killer"), lines
     assert not any("ChildFailedError" in line or "Traceback" in line for line in lines), lines
+
+
+def test_of_two_ranks_the_killed_one_is_named(launcher):
+    """Rank 1 is killed; torchrun then stops rank 0 (which saves): the line names rank 1."""
+    rc, lines = _run(*launcher, "kill", NGPU="2", LOG_RANK="0,1", FAKE_KILLED_RANK="1", FAKE_KILL_AFTER="2")
+    assert rc == 128 + signal.SIGKILL, lines
+    assert lines[-1].startswith("titan_draft: error: rank 1 was killed by SIGKILL ("), lines
+    assert (launcher[0].parent / "out" / "0" / "saved").exists(), lines
 
 
 def test_the_trainers_exit_status_comes_through(launcher):
