@@ -148,7 +148,7 @@ if [ "$rc" -ne 0 ] && [ -s "$failure" ]; then
     name=SIG$(kill -l "$sig" 2>/dev/null || echo "$sig")
     if [ -n "$stopped" ] && { [ "$sig" -eq 15 ] || [ "$sig" -eq 2 ]; }; then
       # the stop came while a rank was still starting Python, before it could handle it
-      echo "titan_draft: stopped by $name during start-up: nothing was trained or saved; run the same command again to start" >&2
+      echo "titan_draft: stopped by $name during start-up, before training began: nothing new was saved; run the same command again to start (or resume)" >&2
       rc=0
     else
       why=

@@ -321,7 +321,8 @@ class Trainer:
                     # start-up (compile, first collectives) is over: use the shorter timeout
                     set_pg_timeout(cfg.comm.train_timeout_seconds)
         if cfg.checkpoint.export and not self.stop_line:
-            self._export()
+            with maybe_handle_stop_signals(self.device):  # a stop this late lets the export finish
+                self._export()
         return losses
 
     def _export(self) -> None:

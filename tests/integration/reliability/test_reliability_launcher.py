@@ -225,8 +225,8 @@ def test_a_stop_while_a_rank_starts_python_exits_0_saying_so(launcher):
             break
     lines += [line.strip() for line in proc.stderr]
     assert proc.wait(timeout=60) == 0, lines
-    assert lines[-1] == ("titan_draft: stopped by SIGTERM during start-up: nothing was trained or saved; "
-                         "run the same command again to start"), lines
+    assert lines[-1] == ("titan_draft: stopped by SIGTERM during start-up, before training began: nothing new "
+                         "was saved; run the same command again to start (or resume)"), lines
 
 
 def test_help_is_printed_directly():
