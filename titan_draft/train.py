@@ -329,9 +329,7 @@ class Trainer:
         cfg = self.cfg
         out_dir = os.path.join(cfg.job.dump_folder, cfg.checkpoint.export_folder)
         export_draft(
-            self.model,
-            self.spec.export_fn,
-            self.model_args,
+            self.model, self.spec.export_fn, self.model_args,
             {**self.target.info, "capture_layers": self.layer_ids},
             out_dir,
             dtype=cfg.checkpoint.export_dtype,
