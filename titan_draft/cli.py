@@ -5,7 +5,8 @@
 - 1: the run could not go on (another trainer holds the dump folder, a non-finite step, a data
   row that cannot be prepared, a save that failed, a full disk wherever it is met); the line says
   what is kept.
-- 0: done, or stopped by SIGTERM/SIGINT after saving (the last line says where to resume).
+- 0: done, or stopped by SIGTERM/SIGINT after saving (the last line says where to resume), or
+  during start-up, before anything was trained (the last line says so).
 
 Anything else is a bug and keeps its traceback.
 """
@@ -23,6 +24,7 @@ from titan_draft.features.offline import FeatureCacheMismatchError, check_featur
 from titan_draft.components.preflight import check_job_before_loading
 from titan_draft.checkpoint.resume_guard import ResumeRefusedError
 from titan_draft.components.run_lock import RunLockError
+from titan_draft.components.signals import StoppedDuringStartup, maybe_handle_stop_signals
 from titan_draft.features.target import check_target_config
 from titan_draft.config import ConfigManager, validate_job_config, validate_launch
 from titan_draft.data.worker_errors import DataWorkerError
@@ -42,26 +44,12 @@ def run_cli(build_trainer: Callable, argv: list[str] | None = None) -> None:
     init_logger()
     quiet_writer_thread_disk_full()
     try:
-        cfg = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
-        # the first line as soon as the job is known: loading a target can take minutes
-        logger.info(f"job {cfg.job.config_file or '(defaults)'} -> {cfg.job.dump_folder}: checking it, "
-                    f"then loading the target {cfg.target.path or 'random:' + cfg.target.flavor}")
-        validate_job_config(cfg, logger)
-        validate_launch(cfg)  # the device and the number of ranks, before any process group
-        check_target_config(cfg)
-        check_job_before_loading(cfg)  # draft, source, capture layers, usable rows: before the target loads
-        check_feature_cache(cfg)  # offline: the cache's manifest and shards exist and are whole
-    except ValueError as e:
-        _fail(e, 2)
-    try:
-        trainer = build_trainer(cfg)
-    except RUN_ERRORS as e:
-        _fail(e, 1)
-    except FeatureCacheMismatchError as e:  # the job is wrong for its cache: nothing was trained
-        _fail(e, 2)
-    except Exception as e:
-        _fail_if_disk_full(e, cfg)
-        raise
+        with maybe_handle_stop_signals(at_once=True):  # until training begins, a stop has nothing to save
+            cfg, trainer = _start(build_trainer, argv)
+    except StoppedDuringStartup as e:
+        destroy_distributed()
+        print(f"titan_draft: {e}", file=sys.stderr)
+        raise SystemExit(0) from None
     try:
         try:
             trainer.train()
@@ -74,6 +62,31 @@ def run_cli(build_trainer: Callable, argv: list[str] | None = None) -> None:
                 trainer.close()
             finally:
                 destroy_distributed()
+    except Exception as e:
+        _fail_if_disk_full(e, cfg)
+        raise
+
+
+def _start(build_trainer: Callable, argv: list[str] | None):
+    """The job, checked, and its trainer built: (cfg, trainer)."""
+    try:
+        cfg = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
+        # the first line as soon as the job is known: loading a target can take minutes
+        logger.info(f"job {cfg.job.config_file or '(defaults)'} -> {cfg.job.dump_folder}: checking it, "
+                    f"then loading the target {cfg.target.path or 'random:' + cfg.target.flavor}")
+        validate_job_config(cfg, logger)
+        validate_launch(cfg)  # the device and the number of ranks, before any process group
+        check_target_config(cfg)
+        check_job_before_loading(cfg)  # draft, source, capture layers, usable rows: before the target loads
+        check_feature_cache(cfg)  # offline: the cache's manifest and shards exist and are whole
+    except ValueError as e:
+        _fail(e, 2)
+    try:
+        return cfg, build_trainer(cfg)
+    except RUN_ERRORS as e:
+        _fail(e, 1)
+    except FeatureCacheMismatchError as e:  # the job is wrong for its cache: nothing was trained
+        _fail(e, 2)
     except Exception as e:
         _fail_if_disk_full(e, cfg)
         raise

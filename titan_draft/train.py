@@ -321,16 +321,15 @@ class Trainer:
                     # start-up (compile, first collectives) is over: use the shorter timeout
                     set_pg_timeout(cfg.comm.train_timeout_seconds)
         if cfg.checkpoint.export and not self.stop_line:
-            self._export()
+            with maybe_handle_stop_signals(self.device):  # a stop this late lets the export finish
+                self._export()
         return losses
 
     def _export(self) -> None:
         cfg = self.cfg
         out_dir = os.path.join(cfg.job.dump_folder, cfg.checkpoint.export_folder)
         export_draft(
-            self.model,
-            self.spec.export_fn,
-            self.model_args,
+            self.model, self.spec.export_fn, self.model_args,
             {**self.target.info, "capture_layers": self.layer_ids},
             out_dir,
             dtype=cfg.checkpoint.export_dtype,

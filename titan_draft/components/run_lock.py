@@ -6,8 +6,11 @@ training and writing checkpoints into the folder of the restarted job. The lock 
 any way (kill -9 included), so a lock left by a dead process is never mistaken for a live one.
 The file also names its holder (host, pid, start time, command); a second trainer refuses to
 start with that line, and a trainer that finds the file naming a holder but the lock free says it
-takes over a stale lock. The file is never deleted (deleting a locked file would let a third
-process lock a new file of the same name); on release it is emptied.
+takes over a stale lock. A clean release deletes the file (a dump folder holds only results after
+a run); it is deleted while still locked, and a trainer that got the lock checks that the path
+still names the file it locked, else it starts over: otherwise one that opened the file just
+before the deletion and a third one that creates a new file of the same name could both hold
+"the" lock. A file left behind means its holder was killed; the next trainer names it.
 
 Where the filesystem has no ``flock`` (some network filesystems), the holder's pid is checked
 instead when it ran on this host, and the log says so.
@@ -67,19 +70,23 @@ class RunLock:
     def acquire(self) -> None:
         """Take the lock or raise :class:`RunLockError` naming the live holder."""
         os.makedirs(self.dump_folder, exist_ok=True)
-        f = open(self.path, "a+")
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            flock = True
-        except OSError as e:
-            if e.errno in (errno.EAGAIN, errno.EACCES):
-                holder = self._read_holder(f)
-                f.close()
-                raise RunLockError(
-                    f"job.dump_folder {self.dump_folder} is in use by another trainer ({_describe(holder)}); "
-                    f"stop it first, or give this job another job.dump_folder") from None
-            flock = False
-            logger.warning("run lock: %s has no flock (%s); checking the holder's pid instead", self.path, e)
+        while True:
+            f = open(self.path, "a+")
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                flock = True
+            except OSError as e:
+                if e.errno in (errno.EAGAIN, errno.EACCES):
+                    holder = self._read_holder(f)
+                    f.close()
+                    raise RunLockError(
+                        f"job.dump_folder {self.dump_folder} is in use by another trainer ({_describe(holder)}); "
+                        f"stop it first, or give this job another job.dump_folder") from None
+                flock = False
+                logger.warning("run lock: %s has no flock (%s); checking the holder's pid instead", self.path, e)
+            if not flock or self._still_named(f):
+                break
+            f.close()  # its holder deleted it on release before we locked it: lock the path anew
         holder = self._read_holder(f)
         if holder:
             same_host = holder.get("host") == socket.gethostname()
@@ -97,14 +104,20 @@ class RunLock:
         os.fsync(f.fileno())
         self._file = f
 
+    def _still_named(self, f) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            return False
+
     def release(self) -> None:
         if self._file is None:
             return
         f, self._file = self._file, None
         try:
-            f.seek(0)
-            f.truncate()  # an empty file: nobody holds it, nothing stale to report
-            f.flush()
+            os.unlink(self.path)  # while still locked (see the module docstring)
+        except FileNotFoundError:
+            pass
         finally:
             f.close()  # closing drops the flock
 

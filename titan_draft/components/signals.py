@@ -13,6 +13,11 @@ its workers, and Ctrl-C reaches both torchrun and its workers, so one stop reque
 twice within milliseconds. (torchrun gives its workers 30 s after forwarding before it kills
 them: a stop under torchrun must finish its step and save within that.)
 
+Before training begins (parsing, checks, the target load, which can take minutes) there is nothing
+to save: inside :func:`maybe_handle_stop_signals` with ``at_once=True`` the first signal raises
+:class:`StoppedDuringStartup` where the code is, the start-up unwinds (releasing the run lock) and
+the command line exits 0 saying so.
+
 Ranks may receive the signal at different steps (or only some of them): :meth:`StopSignal.requested`
 takes the maximum over all ranks, so every rank stops after the same step.
 """
@@ -36,11 +41,22 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 REPEAT_WINDOW_S = 1.0
 
 
+class StoppedDuringStartup(BaseException):
+    """A stop signal came before training began. A BaseException, as KeyboardInterrupt is, so
+    that no ``except Exception`` of the start-up code turns it into an error."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name} during start-up, before training began: "
+                         "nothing new was saved; run the same command again to start (or resume)")
+
+
 class StopSignal:
     """The stop request of this process; installed by :func:`maybe_handle_stop_signals`."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", at_once: bool = False) -> None:
         self.device = torch.device(device)
+        self.at_once = at_once
         self.signum: int | None = None
         self._first_at = 0.0
 
@@ -57,6 +73,8 @@ class StopSignal:
             os._exit(128 + signum)
         self.signum = signum
         self._first_at = time.monotonic()
+        if self.at_once:
+            raise StoppedDuringStartup(signum)
         logger.warning("received %s: finishing this step, saving a checkpoint, then exiting "
                        "(send it again to exit at once)", self.name)
 
@@ -74,11 +92,12 @@ class StopSignal:
 
 
 @contextmanager
-def maybe_handle_stop_signals(device: torch.device | str = "cpu") -> Iterator[StopSignal]:
+def maybe_handle_stop_signals(device: torch.device | str = "cpu", at_once: bool = False) -> Iterator[StopSignal]:
     """Handle SIGTERM and SIGINT as graceful stop requests inside the block (the previous handlers
-    come back after it). Off the main thread, where Python cannot install handlers, the returned
-    request simply never fires."""
-    stop = StopSignal(device)
+    come back after it); with ``at_once`` (start-up) the first one raises
+    :class:`StoppedDuringStartup`. Off the main thread, where Python cannot install handlers, the
+    returned request simply never fires."""
+    stop = StopSignal(device, at_once)
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return

@@ -49,7 +49,7 @@ def test_run_train_sh_shows_the_trainers_line_without_torchruns_report(tmp_path,
     proc = subprocess.run(["./run_train.sh", *job_args(tmp_path, chat_jsonl, random_target_dir, "--model.flavor", "huge")],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={"PATH": env_path, "PYTHONPATH": REPO, "NGPU": "1", "HOME": str(tmp_path)})
-    assert proc.returncode != 0
+    assert proc.returncode == 2, proc.stderr[-2000:]  # the trainer's status for a wrong job, not torchrun's 1
     out = (proc.stdout + proc.stderr).strip().splitlines()
     assert "titan_draft: error: model.flavor: 'huge' is not a dflash2 flavor (" in out[-1], out  # the last line
     text = proc.stdout + proc.stderr
@@ -196,3 +196,4 @@ def test_run_train_sh_sigterm_under_real_torchrun_saves_and_exits_0(tmp_path, ch
     assert any("stopped by SIGTERM after step" in line and "saved" in line for line in lines), lines[-20:]
     assert any(p.name.startswith("step-") for p in (dump / "checkpoint").iterdir())
     assert not (dump / "export").exists()  # a half-trained draft is not exported
+    assert not (dump / ".titan_draft.lock").exists()  # released and removed: nothing holds the folder

@@ -62,7 +62,34 @@ def test_a_second_trainer_is_refused_and_a_dead_holders_lock_taken_over(tmp_path
     with caplog.at_level(logging.WARNING):
         again.acquire()  # a clean release leaves nothing stale
     again.release()
-    assert "stale" not in caplog.text and (tmp_path / LOCK_FILE).read_text() == ""
+    assert "stale" not in caplog.text and not (tmp_path / LOCK_FILE).exists()  # a clean release leaves no file
+
+
+def test_a_lock_released_while_another_trainer_opens_it_is_still_held_once(tmp_path, monkeypatch):
+    """A clean release deletes the file: a trainer that opened it just before (and so locks the
+    deleted file) must lock the path anew, or a third trainer would lock a new file of the same
+    name and both would hold the folder."""
+    first = RunLock(str(tmp_path))
+    first.acquire()
+    real_flock, calls = run_lock.fcntl.flock, []
+
+    def release_first_then_flock(fd, op):
+        calls.append(fd)
+        if len(calls) == 1:  # the second trainer has the file open: the first one ends now
+            first.release()
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", release_first_then_flock)
+    second = RunLock(str(tmp_path))
+    second.acquire()
+    monkeypatch.undo()
+    assert len(calls) == 2  # it locked the deleted file, saw it, and locked the path again
+    try:
+        with pytest.raises(RunLockError, match=f"pid {os.getpid()}"):
+            RunLock(str(tmp_path)).acquire()
+    finally:
+        second.release()
+    assert not (tmp_path / LOCK_FILE).exists()
 
 
 def test_without_flock_the_holders_pid_decides(tmp_path, monkeypatch, caplog):

@@ -58,6 +58,7 @@ def test_sigterm_saves_the_step_and_resume_matches(tmp_path, chat_jsonl, random_
     for step in (3, 4):
         assert resumed[step] == pytest.approx(full[step], rel=1e-5, abs=1e-6), step
     assert (dump / "export" / "model.safetensors").exists()
+    assert not (dump / ".titan_draft.lock").exists()  # a clean end leaves no lock file behind
 
 
 def test_sigint_stops_the_same_way(tmp_path, chat_jsonl, random_target_dir, monkeypatch):
@@ -115,3 +116,32 @@ def test_the_command_line_exits_0_with_the_resume_line(tmp_path, chat_jsonl, ran
     assert last.startswith("titan_draft: stopped by SIGTERM after step ") and "run the same command again" in last, last
     step = int(last.split("after step ")[1].split(" ")[0])
     assert os.path.isfile(tmp_path / "checkpoint" / f"step-{step}" / ".metadata")
+
+
+def test_a_stop_during_the_final_export_lets_it_finish(tmp_path, chat_jsonl, random_target_dir):
+    """The last step is done and the export is being written when SIGTERM comes (a launcher's
+    stop, a closed terminal): the export finishes and the run ends well, instead of dying
+    half-written."""
+    argv = job_args(tmp_path, chat_jsonl, random_target_dir, "--training.steps", "2")
+    script = textwrap.dedent(f"""
+        import os, signal
+        from titan_draft.cli import run_cli
+        from titan_draft.train import Trainer
+
+        def build(cfg):
+            trainer = Trainer(cfg)
+            export = trainer._export
+
+            def stopped_export():
+                os.kill(os.getpid(), signal.SIGTERM)
+                export()
+            trainer._export = stopped_export
+            return trainer
+
+        run_cli(build, {argv!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "export" / "model.safetensors").exists()
+    assert proc.stderr.strip().splitlines()[-1].endswith(f"exported draft to {tmp_path}/export"), proc.stderr[-2000:]
