@@ -38,6 +38,10 @@ class Target:
     path: str = ""
     """Local HF-format checkpoint folder of the frozen target. Empty: a random-weight target of
     `target.flavor` (for debugging and benchmarks only)."""
+    backend: str = "native"
+    """How `target.path` is run: 'native' (the registered target families, the default where
+    one knows the folder's model_type) or 'transformers' (any AutoModelForCausalLM folder, read
+    by transformers, which must be installed: Mistral, Gemma, Phi, ...; no packed rows)."""
     flavor: str = "debugmodel"
     """Architecture of the random-weight target when `target.path` is empty (debugmodel,
     qwen3_8b). Empty: the job requires `target.path` and refuses to start without it."""
