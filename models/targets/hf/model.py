@@ -180,12 +180,10 @@ def load_hf_target(folder: str, *, dtype: torch.dtype, device, mesh=None) -> HFT
     with open(os.path.join(folder, "config.json")) as f:
         hf_config = json.load(f)
     args = HFTargetArgs.from_hf_config(hf_config)
-    text = hf_config.get("text_config") or hf_config
-    # soft-capped attention exists only in the eager kernel: sdpa would drop the cap silently
-    attn = "eager" if text.get("attn_logit_softcapping") else None
     try:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, local_files_only=True, dtype=dtype, attn_implementation=attn)
+        # the family's default attention kernel: transformers itself refuses one that cannot
+        # compute the family (Gemma2's soft-capped scores need its eager kernel)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
     except (OSError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"target.path: transformers cannot load {folder}: {first}") from None
