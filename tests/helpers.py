@@ -312,7 +312,8 @@ HF_ONLY_FAMILIES = {
 }
 
 
-def write_hf_only_target(folder, family: str, vocab_size: int = 300, num_layers: int = 3, seed: int = 0) -> str:
+def write_hf_only_target(folder, family: str, vocab_size: int = 300, num_layers: int = 3, seed: int = 0,
+                         max_shard_size: str = "100KB") -> str:
     """A random-weight ``family`` checkpoint (HF_ONLY_FAMILIES) saved by transformers itself,
     sharded with an index as real checkpoints are; windows of 8 tokens so a 40-token row uses them."""
     import transformers
@@ -327,5 +328,5 @@ def write_hf_only_target(folder, family: str, vocab_size: int = 300, num_layers:
         for name, p in model.named_parameters():
             if name.endswith("proj.weight"):
                 p.normal_(0, 0.3)
-    model.save_pretrained(str(folder), max_shard_size="100KB")
+    model.save_pretrained(str(folder), max_shard_size=max_shard_size)
     return str(folder)

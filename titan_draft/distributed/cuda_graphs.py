@@ -128,6 +128,8 @@ def can_graph(target, device: torch.device) -> str | None:
         return "sharded over several ranks (every forward is a collective)"
     if any(isinstance(p, DTensor) for p in target.parameters()):
         return "its parameters are DTensors (FSDP hooks run in every forward)"
+    if not getattr(target, "static_cache", True):
+        return "its decoding cache grows with every step (no fixed-shape cache to record)"
     return None
 
 

@@ -60,6 +60,9 @@ def _layer_output(output):
 class HFTarget(nn.Module):
     """``hf``: a loaded ``*ForCausalLM``; ``args``: its :class:`HFTargetArgs`."""
 
+    static_cache = False
+    """DynamicCache grows by concatenation: nothing a CUDA graph could replay."""
+
     def __init__(self, hf: nn.Module, args: HFTargetArgs):
         super().__init__()
         self.hf = hf
@@ -149,7 +152,7 @@ class HFTarget(nn.Module):
         per row). No static form: CUDA-graph decoding needs a native target."""
         if static:
             raise ValueError("target.backend = 'transformers' decodes with transformers' DynamicCache, which "
-                             "CUDA graphs cannot replay: run the eval with --eager")
+                             "CUDA graphs cannot replay: run the eval with --no-cuda-graphs")
         transformers = import_transformers()
         device = full_tensor(self.hf.get_input_embeddings().weight).device
         return HFDecodeCache(transformers.DynamicCache(), batch, max_len, pad=pad, device=device)

@@ -8,7 +8,12 @@ import os
 
 import pytest
 import torch
-from helpers import HF_ONLY_FAMILIES, spawn_ranks, write_hf_only_target, write_rank_result
+from helpers import (
+    HF_ONLY_FAMILIES,
+    spawn_ranks,
+    write_hf_only_target,
+    write_rank_result,
+)
 
 from titan_draft.features.target import load_target
 
