@@ -32,7 +32,10 @@ from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.decoding.acceptance import evaluate
 from titan_draft.decoding.evaluator import build_eval_draft
 from titan_draft.features.target import load_target, read_hf_config
-from titan_draft.protocols.target_spec import get_target_spec, target_spec_for_model_type
+from titan_draft.protocols.target_spec import (
+    get_target_spec,
+    target_spec_for_model_type,
+)
 
 logger = logging.getLogger(__name__)
 
