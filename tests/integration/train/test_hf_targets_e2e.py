@@ -17,17 +17,40 @@ from titan_draft.train import Trainer
 pytest.importorskip("transformers")
 
 
+# a family's own turn markers, no ChatML tokens: 'auto' renders with the folder's template. Gemma2's
+# marks its answers ({% generation %}), Mistral's does not (the render-twice rule finds them).
+TEMPLATE = (
+    "{%- for m in messages %}{%- if m['role'] == 'assistant' %}<turn model>\n{% generation %}{{ m['content'] }}"
+    "{{ eos_token }}{% endgeneration %}\n{%- else %}<turn {{ m['role'] }}>\n{{ m['content'] }}\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<turn model>\n{% endif %}"
+)
+TEMPLATES = {"gemma2": TEMPLATE,
+             "mistral": TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")}
+
+
+def _tokenizer(template: str):
+    """The Qwen BPE with only <|endoftext|> and <|im_end|> (the eos) as special tokens."""
+    import tiktoken
+
+    from titan_draft.data.tokenizer import Tokenizer, build_tokenizer
+
+    qwen = build_tokenizer("qwen3")
+    specials = {t: i for t, i in qwen.special_tokens.items() if t in ("<|endoftext|>", "<|im_end|>")}
+    enc = tiktoken.Encoding(name="hf-only-test", pat_str=qwen.encoding._pat_str,
+                            mergeable_ranks=qwen.encoding._mergeable_ranks, special_tokens=specials)
+    return Tokenizer("hf-only-test", enc, pad_token="<|endoftext|>", eos_token="<|im_end|>", chat_template=template)
+
+
 @pytest.fixture(scope="module")
 def hf_targets(tmp_path_factory) -> dict[str, str]:
-    """Random-weight folders with the packaged Qwen BPE as their tokenizer (the vocab is its size)."""
-    from titan_draft.data.tokenizer import build_tokenizer
+    """Random-weight folders with their own tokenizer and chat template."""
     from titan_draft.data.tokenizer.hf_save import save_hf_tokenizer
 
-    tokenizer = build_tokenizer("qwen3")
     root = tmp_path_factory.mktemp("hf_targets")
     folders = {}
     for family in HF_ONLY_FAMILIES:
-        folder = write_hf_only_target(root / family, family, vocab_size=tokenizer.n_vocab, num_layers=4,
+        tokenizer = _tokenizer(TEMPLATES[family])
+        folder = write_hf_only_target(root / family, family, vocab_size=tokenizer.n_vocab + 16, num_layers=4,
                                       max_shard_size="2GB")
         save_hf_tokenizer(tokenizer, folder)
         folders[family] = folder
@@ -44,7 +67,13 @@ def test_draft_trains_and_decodes_losslessly(tmp_path, chat_jsonl, hf_targets, f
     trainer = Trainer(cfg)
     try:
         assert trainer.target.family == "transformers" and trainer.run_info["target_backend"] == "transformers"
-        assert trainer.target.args.model_type == family
+        assert trainer.target.args.model_type == family and trainer.run_info["chat_template"] == "jinja"
+        batch = next(iter(trainer.dataloader))
+        ids, mask = batch["input_ids"][0], batch["loss_mask"][0]
+        text = trainer.tokenizer.decode(ids[: int(batch["valid_lengths"][0])].tolist())
+        assert text.startswith("<turn ") and "<turn model>\n" in text
+        n_head = len(trainer.tokenizer.encode(text[: text.index("<turn model>\n") + len("<turn model>\n")]))
+        assert not mask[:n_head].any() and mask.any()  # the prompt is never trained on
         losses = trainer.train()
         assert len(losses) == 2 and all(math.isfinite(v) for v in losses.values())
     finally:

@@ -64,6 +64,7 @@ def test_marked_template_equals_apply_chat_template(tmp_path):
     assert tok.chat_template == MARKED
     chat = resolve_chat_format(tok, template="jinja", system_prompt="auto")
     assert chat.system_prompt == ""  # 'auto': the template writes its own default
+    assert chat.special_tokens == ("<|im_end|>",)  # what the template spells out: never a mask token
     for turns in CORPUS:
         ids, mask = render_chat(turns, tok, "jinja", chat.system_prompt)
         want_ids, want_mask = _hf(hf_tok, turns)
