@@ -29,15 +29,16 @@ TEMPLATES = {"gemma2": TEMPLATE,
 
 
 def _tokenizer(template: str):
-    """The Qwen BPE with only <|endoftext|> and <|im_end|> (the eos) as special tokens."""
+    """The Qwen BPE cut to its first 4000 ranks (a small vocabulary keeps the run fast), with
+    <|endoftext|> and <|im_end|> (the eos) as its only special tokens."""
     import tiktoken
 
     from titan_draft.data.tokenizer import Tokenizer, build_tokenizer
 
     qwen = build_tokenizer("qwen3")
-    specials = {t: i for t, i in qwen.special_tokens.items() if t in ("<|endoftext|>", "<|im_end|>")}
-    enc = tiktoken.Encoding(name="hf-only-test", pat_str=qwen.encoding._pat_str,
-                            mergeable_ranks=qwen.encoding._mergeable_ranks, special_tokens=specials)
+    ranks = {b: r for b, r in qwen.encoding._mergeable_ranks.items() if r < 4000}
+    enc = tiktoken.Encoding(name="hf-only-test", pat_str=qwen.encoding._pat_str, mergeable_ranks=ranks,
+                            special_tokens={"<|endoftext|>": 4000, "<|im_end|>": 4001})
     return Tokenizer("hf-only-test", enc, pad_token="<|endoftext|>", eos_token="<|im_end|>", chat_template=template)
 
 
