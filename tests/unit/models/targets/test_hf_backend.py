@@ -119,3 +119,14 @@ def test_missing_transformers_names_the_install(folder, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_transformers)
     with pytest.raises(ValueError, match="pip install transformers"):
         load_target(folder, dtype=torch.float32, backend="transformers")
+
+
+def test_job_with_the_backend_and_packing_is_refused_naming_both():
+    from titan_draft.config.manager import load_job_config
+    from titan_draft.config.validate import ConfigError
+
+    with pytest.raises(ConfigError, match="data.packing is not available with target.backend = 'transformers'"):
+        load_job_config(["--target.backend", "transformers", "--target.path", "x", "--data.packing", "true",
+                         "--data.max_length", "128"])
+    with pytest.raises(ConfigError, match="target.backend = 'nope' must be one of native, transformers"):
+        load_job_config(["--target.backend", "nope"])
