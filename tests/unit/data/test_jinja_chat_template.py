@@ -42,12 +42,19 @@ CORPUS = [
 
 
 def _tokenizers(folder, source: str):
-    """Our tokenizer with ``source`` as its template and transformers' reading of the same folder."""
+    """Our tokenizer with ``source`` as its template and transformers' reading of the same folder:
+    the Qwen BPE cut to its first 8000 ranks (written and read in a fraction of the time), with
+    ChatML's special tokens."""
+    import tiktoken
+
     from titan_draft.data.tokenizer import Tokenizer, build_tokenizer
     from titan_draft.data.tokenizer.hf_save import save_hf_tokenizer
 
-    qwen = build_tokenizer("qwen3")
-    ours = Tokenizer("jinja-test", qwen.encoding, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+    qwen = build_tokenizer("qwen3").encoding
+    enc = tiktoken.Encoding(name="jinja-test", pat_str=qwen._pat_str,
+                            mergeable_ranks={b: r for b, r in qwen._mergeable_ranks.items() if r < 8000},
+                            special_tokens={"<|endoftext|>": 8000, "<|im_start|>": 8001, "<|im_end|>": 8002})
+    ours = Tokenizer("jinja-test", enc, pad_token="<|endoftext|>", eos_token="<|im_end|>",
                      bos_token="<|endoftext|>", chat_template=source)
     save_hf_tokenizer(ours, str(folder))
     return build_tokenizer(str(folder)), transformers.AutoTokenizer.from_pretrained(str(folder))
@@ -105,6 +112,15 @@ def test_template_that_cannot_mark_answers_is_refused_with_one_line(tmp_path):
 
 
 def test_auto_picks_the_folder_template_only_without_a_builtin_format(tmp_path):
-    """The Qwen BPE has ChatML tokens: 'auto' keeps the proven built-in format there."""
+    """With ChatML's tokens 'auto' keeps the proven built-in format; without them, the folder's."""
+    import tiktoken
+
+    from titan_draft.data.tokenizer import Tokenizer
+
     tok, _ = _tokenizers(tmp_path, MARKED)
-    assert resolve_chat_format(tok, template="auto", system_prompt="auto").template == "qwen3"
+    assert resolve_chat_format(tok, template="auto", system_prompt="auto").template == "chatml"
+    enc = tok.encoding
+    bare = Tokenizer("bare", tiktoken.Encoding(name="bare", pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks,
+                                               special_tokens={"<|endoftext|>": 8000, "<|im_end|>": 8002}),
+                     pad_token="<|endoftext|>", eos_token="<|im_end|>", chat_template=MARKED)
+    assert resolve_chat_format(bare, template="auto", system_prompt="auto").template == "jinja"
