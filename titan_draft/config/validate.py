@@ -98,7 +98,7 @@ def validate_job_config(cfg: JobConfig, log: logging.Logger | None = None) -> li
         if cfg.data.packing:
             errors.append("data.packing is not available with target.backend = 'transformers' (a family's own "
                           "attention may not keep packed documents apart): set data.packing = false")
-        if not cfg.target.path and not cfg.data.feature_cache:
+        if not cfg.target.path:
             errors.append("target.backend = 'transformers' reads a checkpoint folder: set target.path")
     if cfg.data.packing and cfg.data.max_length % 128:
         errors.append(f"data.max_length = {cfg.data.max_length} must be a multiple of 128 with data.packing "

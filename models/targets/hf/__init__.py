@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from models.targets.hf.args import HFTargetArgs
 from models.targets.hf.model import HFTarget, load_hf_target
+from models.targets.hf.tables import load_hf_tables
 from titan_draft.protocols.target_spec import TargetSpec, register_target_spec
 
 FAMILY = "transformers"
@@ -23,6 +24,7 @@ register_target_spec(
         args_from_hf_config=HFTargetArgs.from_hf_config,
         load_hf_state_dict=_no_state_dict,
         load_folder=load_hf_target,
+        load_tables=load_hf_tables,
     )
 )
 

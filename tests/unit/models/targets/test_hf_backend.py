@@ -130,3 +130,14 @@ def test_job_with_the_backend_and_packing_is_refused_naming_both():
                          "--data.max_length", "128"])
     with pytest.raises(ConfigError, match="target.backend = 'nope' must be one of native, transformers"):
         load_job_config(["--target.backend", "nope"])
+
+
+def test_tables_read_alone_equal_the_loaded_model(folder):
+    """Offline training reads only the embedding and LM head: the loaded model's, tied or not."""
+    from titan_draft.protocols.target_spec import get_target_spec
+
+    model = load_target(folder, dtype=torch.float32, backend="transformers")
+    embed, head = get_target_spec("transformers").load_tables(folder, model.args)
+    torch.testing.assert_close(embed, model.embed_weight(), rtol=0, atol=0)
+    torch.testing.assert_close(head, model.lm_head_weight(), rtol=0, atol=0)
+    assert (head is embed) == model.args.tie_word_embeddings
