@@ -141,3 +141,12 @@ def test_tables_read_alone_equal_the_loaded_model(folder):
     torch.testing.assert_close(embed, model.embed_weight(), rtol=0, atol=0)
     torch.testing.assert_close(head, model.lm_head_weight(), rtol=0, atol=0)
     assert (head is embed) == model.args.tie_word_embeddings
+
+
+def test_compiled_capture_equals_eager(folder):
+    model = load_target(folder, dtype=torch.float32, backend="transformers")
+    want = model.capture(IDS, LAYERS)
+    model.compile_capture("eager")
+    got = model.capture(IDS, LAYERS)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
