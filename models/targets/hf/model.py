@@ -60,8 +60,9 @@ def _layer_output(output):
 class HFTarget(nn.Module):
     """``hf``: a loaded ``*ForCausalLM``; ``args``: its :class:`HFTargetArgs`."""
 
-    static_cache = False
-    """DynamicCache grows by concatenation: nothing a CUDA graph could replay."""
+    cuda_graphs = False
+    cuda_graphs_why = ("the transformers backend runs eagerly: its DynamicCache grows by concatenation and "
+                       "its forward is not checked to be capturable")
 
     def __init__(self, hf: nn.Module, args: HFTargetArgs):
         super().__init__()
