@@ -39,6 +39,11 @@ def check_target_config(cfg) -> None:
             )
         hf_config = read_hf_config(t.path, backend=t.backend)
         if t.backend == "transformers":
+            import importlib.util
+
+            if importlib.util.find_spec("transformers") is None:  # before any process group starts
+                raise ValueError("target.backend = 'transformers' needs the transformers package: "
+                                 "pip install transformers")
             hf_config = hf_config.get("text_config") or hf_config
         build_target_tokenizer(cfg, hf_config.get("vocab_size", 0))  # cached for the trainer
     elif not t.flavor:

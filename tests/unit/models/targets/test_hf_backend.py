@@ -119,6 +119,17 @@ def test_missing_transformers_names_the_install(folder, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_transformers)
     with pytest.raises(ValueError, match="pip install transformers"):
         load_target(folder, dtype=torch.float32, backend="transformers")
+    # and a job says so at its start-up check, before any process group or weight
+    import importlib.util
+
+    from titan_draft.config.manager import load_job_config
+    from titan_draft.features.target import check_target_config
+
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real_find(name, *a))
+    cfg = load_job_config(["--target.backend", "transformers", "--target.path", folder])
+    with pytest.raises(ValueError, match="^target.backend = 'transformers' needs the transformers package: pip install"):
+        check_target_config(cfg)
 
 
 def test_job_with_the_backend_and_packing_is_refused_naming_both():
