@@ -299,3 +299,34 @@ def main_error(capsys, argv) -> str:
     assert err and err[-1].startswith("titan_draft: error: "), err
     assert not any("Traceback" in line for line in err), err
     return err[-1][len("titan_draft: error: "):]
+
+
+# tiny random checkpoints of families that only target.backend = "transformers" runs: Gemma2 (logit
+# and attention soft-capping, sliding window on alternate layers), Mistral (sliding window)
+HF_ONLY_FAMILIES = {
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               {"head_dim": 16, "sliding_window": 8, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
+                "query_pre_attn_scalar": 16}),
+    "mistral": ("MistralConfig", "MistralForCausalLM",
+                {"head_dim": 16, "sliding_window": 8, "tie_word_embeddings": False}),
+}
+
+
+def write_hf_only_target(folder, family: str, vocab_size: int = 300, num_layers: int = 3, seed: int = 0,
+                         max_shard_size: str = "100KB") -> str:
+    """A random-weight ``family`` checkpoint (HF_ONLY_FAMILIES) saved by transformers itself,
+    sharded with an index as real checkpoints are; windows of 8 tokens so a 40-token row uses them."""
+    import transformers
+
+    config_cls, model_cls, extra = HF_ONLY_FAMILIES[family]
+    config = getattr(transformers, config_cls)(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():  # HF's init is too small for soft-capping to bite: widen it
+        for name, p in model.named_parameters():
+            if name.endswith("proj.weight"):
+                p.normal_(0, 0.3)
+    model.save_pretrained(str(folder), max_shard_size=max_shard_size)
+    return str(folder)

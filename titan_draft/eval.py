@@ -32,7 +32,10 @@ from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.decoding.acceptance import evaluate
 from titan_draft.decoding.evaluator import build_eval_draft
 from titan_draft.features.target import load_target, read_hf_config
-from titan_draft.protocols.target_spec import target_spec_for_model_type
+from titan_draft.protocols.target_spec import (
+    get_target_spec,
+    target_spec_for_model_type,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,8 @@ def _parse(argv):
     p.add_argument("--num-prompts", type=int, default=0, help="per source (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=0, help="leave out longer prompts (0: keep all)")
+    p.add_argument("--target-backend", default=None, choices=["native", "transformers"],
+                   help="how the target folder is run (default: the training run's, else native)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="target and draft dtype (float32: the lossless check is exact)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda")
@@ -94,10 +99,11 @@ def build_proposer(spec, draft, options: dict):
         raise ValueError(f"--proposer-option: draft {spec.name!r} does not take {sorted(options)}: {e}") from None
 
 
-def target_architecture(path: str):
+def target_architecture(path: str, backend: str = "native"):
     """(architecture args, family) of the HF folder ``path``, read from its config.json alone."""
-    hf_config = read_hf_config(path)
-    spec = target_spec_for_model_type(hf_config.get("model_type"), path)
+    hf_config = read_hf_config(path, backend=backend)
+    spec = (get_target_spec("transformers") if backend == "transformers"
+            else target_spec_for_model_type(hf_config.get("model_type"), path))
     return spec.args_from_hf_config(hf_config), spec.family
 
 
@@ -129,10 +135,11 @@ def main(argv: list[str] | None = None) -> None:
         options = parse_proposer_options(a.proposer_option)
         spec, args, state, run = load_draft_source(a.draft, a.draft_name)
         recorded = recorded_target(a.draft)
-        target_args, family = target_architecture(a.target)
+        backend = a.target_backend or run.get("target_backend", "native")
+        target_args, family = target_architecture(a.target, backend)
         facts = {"family": family, **{k: getattr(target_args, k, None) for k in TARGET_FACTS[1:]}}
         check_eval_target(a, recorded, facts)  # from config.json alone, before the weights load
-        target = load_target(a.target, dtype=dtype, device=device)
+        target = load_target(a.target, dtype=dtype, device=device, backend=backend)
         if recorded is not None:  # the weights: only once they are loaded
             loaded = build_target_record(target, target.args, target.family)
             check_eval_target(a, recorded, {"table_fingerprint": loaded["table_fingerprint"]})

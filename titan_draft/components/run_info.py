@@ -20,6 +20,7 @@ def build_run_info(trainer: Any, *, target_dtype: str, n_params: int) -> dict:
         "draft": f"{cfg.model.name}/{cfg.model.flavor}",
         "draft_trainable_params": n_params,
         "target": trainer.target.source,
+        "target_backend": cfg.target.backend,
         "tokenizer": trainer.tokenizer.name,
         "chat_template": trainer.chat.template,
         "system_prompt": trainer.chat.system_prompt,

@@ -38,6 +38,10 @@ class Target:
     path: str = ""
     """Local HF-format checkpoint folder of the frozen target. Empty: a random-weight target of
     `target.flavor` (for debugging and benchmarks only)."""
+    backend: str = "native"
+    """How `target.path` is run: 'native' (the registered target families, the default where
+    one knows the folder's model_type) or 'transformers' (any AutoModelForCausalLM folder, read
+    by transformers, which must be installed: Mistral, Gemma, Phi, ...; no packed rows)."""
     flavor: str = "debugmodel"
     """Architecture of the random-weight target when `target.path` is empty (debugmodel,
     qwen3_8b). Empty: the job requires `target.path` and refuses to start without it."""
@@ -73,9 +77,11 @@ class Data:
     in memory (benchmarks; see docs/performance.md)."""
     chat_template: str = "auto"
     """Chat format rendered in code, as the target's official template renders it: 'chatml'
-    (Qwen2/Qwen2.5), 'qwen3' (ChatML with think blocks, see enable_thinking) or 'llama3'; 'auto'
-    picks the target family's ('qwen3' for Qwen3, 'llama3' for Llama-3). The loss covers
-    assistant text and its end-of-turn token, never role headers."""
+    (Qwen2/Qwen2.5), 'qwen3' (ChatML with think blocks, see enable_thinking) or 'llama3'; or
+    'jinja': the target folder's own Jinja chat template (loss on its {% generation %} spans,
+    else on what each assistant message adds). 'auto' picks the target family's ('qwen3' for
+    Qwen3, 'llama3' for Llama-3, 'jinja' when no built-in format fits and the tokenizer ships a
+    template). The loss covers assistant text and its end-of-turn token, never role headers."""
     enable_thinking: bool = True
     """chat_template 'qwen3' only, as the server will run: true (Qwen3's default) trains the last
     answer's <think>...</think> block; false drops reasoning and puts the empty think block the

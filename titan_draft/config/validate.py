@@ -23,6 +23,7 @@ _CHOICES = {
     "training.mixed_precision_param": _DTYPES,
     "training.mixed_precision_reduce": _DTYPES,
     "target.dtype": _DTYPES,
+    "target.backend": ("native", "transformers"),
     "checkpoint.export_dtype": _DTYPES,
     "optimizer.implementation": ("auto", "fused", "foreach", "for-loop"),
     "lr_scheduler.decay_type": ("cosine", "linear", "constant"),
@@ -93,6 +94,12 @@ def validate_job_config(cfg: JobConfig, log: logging.Logger | None = None) -> li
         errors.append("validation.enable is not available with data.feature_cache (held-out rows are read "
                       "from data.source and need the target online)")
 
+    if cfg.target.backend == "transformers":
+        if cfg.data.packing:
+            errors.append("data.packing is not available with target.backend = 'transformers' (a family's own "
+                          "attention may not keep packed documents apart): set data.packing = false")
+        if not cfg.target.path:
+            errors.append("target.backend = 'transformers' reads a checkpoint folder: set target.path")
     if cfg.data.packing and cfg.data.max_length % 128:
         errors.append(f"data.max_length = {cfg.data.max_length} must be a multiple of 128 with data.packing "
                       "(the attention tile of the document masks)")

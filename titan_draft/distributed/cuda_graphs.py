@@ -128,6 +128,8 @@ def can_graph(target, device: torch.device) -> str | None:
         return "sharded over several ranks (every forward is a collective)"
     if any(isinstance(p, DTensor) for p in target.parameters()):
         return "its parameters are DTensors (FSDP hooks run in every forward)"
+    if not getattr(target, "cuda_graphs", True):
+        return getattr(target, "cuda_graphs_why", "the target opts out of CUDA graphs")
     return None
 
 

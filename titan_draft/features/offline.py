@@ -24,7 +24,7 @@ from titan_draft.data.features.manifest import check_cache_files, check_manifest
 from titan_draft.data.features.pipeline import rank_shards
 from titan_draft.data.features.shards import dequantize
 from titan_draft.protocols import TargetFeatures
-from titan_draft.protocols.target_spec import TargetBundle, target_spec_for_model_type
+from titan_draft.protocols.target_spec import TargetBundle, get_target_spec, target_spec_for_model_type
 
 __all__ = ["FeatureCacheMismatchError", "TablesTarget", "build_offline_target", "check_feature_cache",
            "features_from_batch", "load_feature_cache"]
@@ -64,8 +64,9 @@ def build_offline_target(cfg: Any, device: torch.device, dtype: torch.dtype, mes
     if not path and is_synthetic_target(cfg.target.flavor):  # benchmarks: its tables are drawn on demand
         return build_synthetic_target(cfg, device, dtype)
     if path:
-        hf_config = read_hf_config(path)
-        spec = target_spec_for_model_type(hf_config["model_type"], os.path.join(path, "config.json"))
+        hf_config = read_hf_config(path, backend=cfg.target.backend)
+        spec = (get_target_spec("transformers") if cfg.target.backend == "transformers"
+                else target_spec_for_model_type(hf_config["model_type"], os.path.join(path, "config.json")))
         if spec.load_tables is None:
             raise ValueError(f"target.path: target family {spec.family!r} cannot read its tables alone "
                              "(TargetSpec.load_tables), which offline training needs")

@@ -37,7 +37,14 @@ def check_target_config(cfg) -> None:
                 f"target.path: {t.path!r} does not exist or is not a folder{where} (for a small "
                 f"random-weight test target: python scripts/write_random_target.py --out {t.path})"
             )
-        hf_config = read_hf_config(t.path)
+        hf_config = read_hf_config(t.path, backend=t.backend)
+        if t.backend == "transformers":
+            import importlib.util
+
+            if importlib.util.find_spec("transformers") is None:  # before any process group starts
+                raise ValueError("target.backend = 'transformers' needs the transformers package: "
+                                 "pip install transformers")
+            hf_config = hf_config.get("text_config") or hf_config
         build_target_tokenizer(cfg, hf_config.get("vocab_size", 0))  # cached for the trainer
     elif not t.flavor:
         raise ValueError(
@@ -68,14 +75,17 @@ def build_target_tokenizer(cfg, vocab_size: int):
     return tokenizer
 
 
-def read_hf_config(folder: str) -> dict:
+def read_hf_config(folder: str, backend: str = "native") -> dict:
     """config.json of an HF checkpoint folder whose model_type a target family supports and
-    whose optional features (quantization, sliding window, biases) that family implements."""
+    whose optional features (quantization, sliding window, biases) that family implements
+    (``backend='transformers'``: any folder, transformers runs what it says)."""
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
         raise ValueError(f"target.path: {folder!r} has no config.json (expected an HF checkpoint folder)")
     with open(cfg_path) as f:
         hf_config = json.load(f)
+    if backend == "transformers":
+        return hf_config
     spec = target_spec_for_model_type(hf_config.get("model_type"), cfg_path)
     _check_supported(hf_config, cfg_path, spec)
     return hf_config
@@ -125,7 +135,8 @@ def _freeze_and_place(model: nn.Module, device: torch.device, dtype: torch.dtype
     model.tie_weights()
 
 
-def load_target(path: str, *, dtype: torch.dtype = torch.bfloat16, device="cpu", mesh=None) -> nn.Module:
+def load_target(path: str, *, dtype: torch.dtype = torch.bfloat16, device="cpu", mesh=None,
+                backend: str = "native") -> nn.Module:
     """Load a frozen target from a local HF checkpoint folder.
 
     Reads ``config.json``, picks the family from ``model_type`` (``qwen3``, ``llama``, ``qwen2``, ``qwen3_moe``), builds
@@ -139,6 +150,9 @@ def load_target(path: str, *, dtype: torch.dtype = torch.bfloat16, device="cpu",
         mesh: a 1-D DeviceMesh to shard the target over with FSDP2 (``fully_shard`` per decoder
             layer, then the root). Each rank then allocates and reads from disk only its own
             rows of every tensor: the full model is never materialized on one rank.
+        backend: 'native' (the family registered for the folder's model_type) or
+            'transformers' (the registered backend that runs any AutoModelForCausalLM folder
+            through transformers; it reads the whole folder on each rank, then shards).
 
     Returns:
         The frozen model (eval mode, ``requires_grad=False``). ``model.capture(input_ids,
@@ -155,6 +169,11 @@ def load_target(path: str, *, dtype: torch.dtype = torch.bfloat16, device="cpu",
     folder = os.path.expanduser(path)
     if not os.path.isdir(folder):
         raise ValueError(f"target.path: {path!r} does not exist or is not a folder")
+    if backend == "transformers":
+        # by its registered name: the engine does not import the backend's package
+        return get_target_spec("transformers").load_folder(folder, dtype=dtype, device=_resolve_device(device), mesh=mesh)
+    if backend != "native":
+        raise ValueError(f"target.backend: {backend!r} is not 'native' or 'transformers'")
     hf_config = read_hf_config(folder)
     spec = target_spec_for_model_type(hf_config["model_type"], os.path.join(folder, "config.json"))
     args = spec.args_from_hf_config(hf_config)
@@ -173,7 +192,7 @@ def build_target(cfg, device: torch.device, dtype: torch.dtype, mesh=None) -> Ta
     if is_synthetic_target(tcfg.flavor) and not tcfg.path:  # benchmarks: random captured features, no forward
         return build_synthetic_target(cfg, device, dtype)
     if tcfg.path:
-        model = load_target(tcfg.path, dtype=dtype, device=device, mesh=mesh)
+        model = load_target(tcfg.path, dtype=dtype, device=device, mesh=mesh, backend=tcfg.backend)
         bundle = TargetBundle(model=model, args=model.args, family=model.family, source=tcfg.path)
     else:
         args = random_target_args(tcfg.family, tcfg.flavor)

@@ -50,6 +50,10 @@ class TargetSpec:
     """(model, folder, *, dtype, max_shard_bytes) -> None: writes the HF weights (random targets)."""
     flavors: dict[str, Any] = field(default_factory=dict)
     """Random-weight architectures (``target.flavor``), for tests and benchmarks."""
+    load_folder: Callable[..., nn.Module] | None = None
+    """(folder, *, dtype, device, mesh) -> frozen, sharded, loaded model, for a backend that
+    builds the model from the folder itself (the transformers backend) instead of
+    ``model_cls(args)`` + ``load_hf_state_dict``."""
     config_features: tuple[str, ...] = ()
     """The optional ``config.json`` features this family implements (``attention_bias``,
     ``mlp_bias``, ``use_sliding_window``): a folder that turns on any other one is refused

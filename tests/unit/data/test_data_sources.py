@@ -82,6 +82,8 @@ def test_normalize_trims_to_first_user_and_last_assistant():
         (_msgs(("developer", "d"), ("user", "q"), ("assistant", "a")), "unknown_role"),
         (_msgs(("user", "q"), ("tool", "42"), ("assistant", "a")), "tool_use"),
         (_conv(("human", "q"), ("function_call", "{}"), ("gpt", "a")), "tool_use"),
+        ({**_msgs(("user", "q"), ("assistant", "a")), "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "tool_use"),  # fmt: skip
         (_msgs(("user", "q"), {"role": "assistant", "content": None,
                                "tool_calls": [{"function": {"name": "f"}}]}),
          "tool_use"),  # fmt: skip

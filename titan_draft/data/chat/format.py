@@ -32,11 +32,13 @@ class ChatFormat:
     """Qwen3's thinking mode (``data.enable_thinking``)."""
     last_turn_only: bool = False
     """Train on each conversation's last assistant turn only (``data.last_turn_only``)."""
+    template_tokens: tuple[str, ...] = ()
+    """'jinja': the tokenizer's special tokens that the folder's template spells out."""
 
     @property
     def special_tokens(self) -> tuple[str, ...]:
         """The special tokens the format writes (none of them can be a draft's mask token)."""
-        return template_special_tokens(self.template)
+        return template_special_tokens(self.template) + self.template_tokens
 
     def describe(self) -> str:
         """The format as the data log line names it."""
@@ -61,8 +63,11 @@ def resolve_chat_format(tokenizer: Tokenizer, *, template: str, system_prompt: s
         check_template(resolved, tokenizer)
     except ValueError as e:
         raise ValueError(f"{key}: {e}") from None
+    # a folder's template writes its family's own tokens: keep them out of a draft's reach
+    written = tuple(sorted(t for t in tokenizer.encoding.special_tokens_set if t in tokenizer.chat_template)) \
+        if resolved == "jinja" else ()
     return ChatFormat(template=resolved, system_prompt=resolve_system_prompt(system_prompt, tokenizer, resolved),
-                      enable_thinking=enable_thinking, last_turn_only=last_turn_only)
+                      enable_thinking=enable_thinking, last_turn_only=last_turn_only, template_tokens=written)
 
 
 def build_chat_format(data_cfg: Any, tokenizer: Tokenizer) -> ChatFormat:

@@ -46,14 +46,15 @@ def render_prompt(turns: list[Turn], tokenizer: Tokenizer, template: str, system
     if not turns or turns[-1].role != "user":
         raise ValueError("render_prompt: the conversation must end with a user turn")
     rendered = _render([*turns, Turn("assistant", "x")], template, system_prompt, enable_thinking,
-                       tokenizer.normalize)
+                       tokenizer.normalize, tokenizer)
     start = rendered.spans[-1][0]
     return tokenizer.encode(rendered.text.encode("utf-8")[:start].decode("utf-8"))
 
 
 def stop_token_ids(tokenizer: Tokenizer, template: str) -> list[int]:
     """Tokens that end a generated answer: the format's end of turn and the tokenizer's eos."""
-    ids = {tokenizer.token_id(_END_OF_TURN[template])}
+    # a folder's own template ('jinja') ends a turn with the tokenizer's eos
+    ids = {tokenizer.token_id(_END_OF_TURN[template])} if template in _END_OF_TURN else set()
     if tokenizer.eos_token is not None:
         ids.add(tokenizer.token_id(tokenizer.eos_token))
     return sorted(ids)

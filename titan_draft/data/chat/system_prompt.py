@@ -12,8 +12,6 @@ chat_template.py explains why it is not rendered, so 'auto' gives none for the l
 
 from __future__ import annotations
 
-import datetime
-
 from titan_draft.data.tokenizer import Tokenizer
 
 __all__ = ["AUTO", "default_system_prompt", "resolve_system_prompt"]
@@ -23,18 +21,11 @@ _PROBE = "\x00probe question\x00"
 
 
 def _render_jinja(source: str, tokenizer: Tokenizer) -> str:
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    # the environment of the 'jinja' format, which also knows {% generation %} markers
+    from titan_draft.data.chat.jinja_template import render_text
 
-    def raise_exception(message):
-        raise ValueError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env.from_string(source).render(
-        messages=[{"role": "user", "content": _PROBE}], add_generation_prompt=True,
-        bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "",
-    )
+    return render_text(source, [{"role": "user", "content": _PROBE}], generation_prompt=True,
+                       bos=tokenizer.bos_token or "", eos=tokenizer.eos_token or "")
 
 
 def default_system_prompt(tokenizer: Tokenizer, template: str) -> str:

@@ -36,6 +36,8 @@ model emits in these formats) and trained on like the rest of the answer.
 
 from __future__ import annotations
 
+import itertools
+
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from titan_draft.data.tokenizer import Tokenizer
@@ -45,7 +47,7 @@ __all__ = [
     "template_special_tokens"]
 
 ROLES = ("system", "user", "assistant")
-SUPPORTED_TEMPLATES = ("chatml", "qwen3", "llama3")
+SUPPORTED_TEMPLATES = ("chatml", "qwen3", "llama3", "jinja")
 
 # Special tokens each format writes; a tokenizer without them would encode them as plain text
 # and silently train on a format the target has never seen.
@@ -53,6 +55,7 @@ _SPECIAL_TOKENS = {
     "chatml": ("<|im_start|>", "<|im_end|>"),
     "qwen3": ("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
     "llama3": ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    "jinja": (),  # the folder's template writes whatever its family uses (jinja_template.py)
 }
 
 
@@ -83,6 +86,8 @@ def check_template(template: str, tokenizer: Optional[Tokenizer] = None) -> None
         )
     if tokenizer is None:
         return
+    if template == "jinja" and not tokenizer.chat_template:
+        raise ValueError(f"chat template 'jinja': tokenizer {tokenizer.name!r} ships no chat_template")
     specials = tokenizer.encoding.special_tokens_set
     missing = [tok for tok in _SPECIAL_TOKENS[template] if tok not in specials]
     if missing:
@@ -95,12 +100,15 @@ def check_template(template: str, tokenizer: Optional[Tokenizer] = None) -> None
 def resolve_template(template: str, tokenizer: Tokenizer) -> str:
     """``template``, or for ``"auto"`` the target family's format, read off its tokenizer:
     Llama-3 header tokens -> 'llama3'; ChatML with think tokens (Qwen3) -> 'qwen3'; ChatML
-    without them (Qwen2/2.5) -> 'chatml'."""
+    without them (Qwen2/2.5) -> 'chatml'; none of them but a Jinja template shipped with the
+    tokenizer -> 'jinja' (the folder's own template)."""
     if template != "auto":
         return template
     for name in ("llama3", "qwen3", "chatml"):  # most specific first: qwen3 extends chatml
         if all(tok in tokenizer.encoding.special_tokens_set for tok in _SPECIAL_TOKENS[name]):
             return name
+    if tokenizer.chat_template:
+        return "jinja"
     raise ValueError(
         f"'auto' found no known chat format in tokenizer {tokenizer.name!r} (no ChatML or "
         f"Llama-3 header tokens); set data.chat_template to one of {', '.join(SUPPORTED_TEMPLATES)}"
@@ -224,6 +232,7 @@ def _render(
     system_prompt: str,
     enable_thinking: bool,
     normalize: Callable[[str], str],
+    tokenizer: Optional[Tokenizer] = None,
 ) -> _Rendered:
     turns = [Turn(*t) for t in turns]
     for turn in turns:
@@ -232,7 +241,12 @@ def _render(
     if system_prompt and not any(turn.role == "system" for turn in turns):
         turns = [Turn("system", system_prompt), *turns]
     out = _Rendered(normalize)
-    if template == "chatml":
+    if template == "jinja":
+        from titan_draft.data.chat.jinja_template import render_jinja
+
+        render_jinja(turns, tokenizer.chat_template if tokenizer else None, out, normalize=normalize,
+                     bos=(tokenizer.bos_token or "") if tokenizer else "", eos=(tokenizer.eos_token or "") if tokenizer else "")
+    elif template == "chatml":
         _render_chatml(turns, out)
     elif template == "qwen3":
         _render_qwen3(turns, out, enable_thinking=enable_thinking)
@@ -280,7 +294,7 @@ def render_chat(
         is trained to predict (assistant text and its end-of-turn token).
     """
     check_template(template, tokenizer)
-    rendered = _render(turns, template, system_prompt, enable_thinking, tokenizer.normalize)
+    rendered = _render(turns, template, system_prompt, enable_thinking, tokenizer.normalize, tokenizer)
     spans = rendered.spans
     if last_turn_only and spans:
         spans = [span for span in spans if span[2] == spans[-1][2]]
@@ -291,4 +305,13 @@ def render_chat(
     if starts[-1] != len(text.encode("utf-8")):
         # Only possible if encode() changed the text (normalization); the mask would be shifted.
         raise RuntimeError("chat template: the tokenizer encoded a different text than rendered")
+    if template == "jinja":  # transformers' rule for a folder's template: a token touching an answer
+        return ids, _overlap_mask(starts, spans)
     return ids, _mask_of(starts[:-1], spans)
+
+
+def _overlap_mask(bounds: Sequence[int], spans: Sequence[tuple[int, int, int]]) -> list[bool]:
+    """True for each token ``[bounds[i], bounds[i + 1])`` that shares a byte with a span (what
+    ``return_assistant_tokens_mask`` marks: a BPE token that merges the prompt's last space
+    with the answer's first word is the answer's)."""
+    return [any(a < end and b > start for start, end, _ in spans) for a, b in itertools.pairwise(bounds)]

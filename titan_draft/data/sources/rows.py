@@ -44,7 +44,7 @@ SKIP_REASONS = (
     "bad_json",  # a .jsonl line (or a cut-off last row) that does not parse
     "no_conversations",  # not an object with a non-empty "conversations" / "messages" list
     "unknown_role",  # a speaker that is none of system / user / assistant (or their aliases)
-    "tool_use",  # tool messages or tool calls: no format here renders them
+    "tool_use",  # tool messages, tool calls or a row's tool definitions: no format here renders them
     "empty_turn",  # a turn whose text is empty or whitespace
     "non_text_content",  # a turn that is not an object, or text that is not a string / text parts
     "misplaced_system",  # a system turn after the first turn (templates only honour the first)
@@ -144,6 +144,10 @@ def normalize_row(row: Any, *, prompt_only: bool = False) -> list[Turn] | str:
         convs = row.get("conversations") if "conversations" in row else row.get("messages")
     if not isinstance(convs, list) or not convs:
         return "no_conversations"
+    if row.get("tools") or row.get("functions"):
+        # tool definitions change what a template renders (a folder's own may list them in the
+        # system turn); no format here renders them, so the row would train on another prompt
+        return "tool_use"
     turns: list[Turn] = []
     for raw in convs:
         turn = _normalize_turn(raw)
