@@ -96,12 +96,18 @@ class RunLock:
                     f"job.dump_folder {self.dump_folder} may be in use by another trainer ({_describe(holder)}) "
                     f"and this filesystem cannot tell: stop it, or delete {self.path} if it is gone")
             logger.warning("run lock: taking over the stale lock of a trainer that is gone (%s)", _describe(holder))
-        f.seek(0)
-        f.truncate()
-        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                            "command": " ".join(sys.argv)[:500]}))
-        f.flush()
-        os.fsync(f.fileno())
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+                                "command": " ".join(sys.argv)[:500]}))
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError:
+            # e.g. a full disk: leave no empty lock file behind (it is ours while we hold the flock)
+            self._file = f
+            self.release()
+            raise
         self._file = f
 
     def _still_named(self, f) -> bool:

@@ -46,6 +46,7 @@ def test_disk_full_when_taking_the_run_lock(capsys, monkeypatch, chat_jsonl, ran
     device, _ = mount_of(str(dump))
     assert line.startswith(f"writing {dump} failed: disk full on {device}"), line
     assert " free, more needed); the checkpoints already saved are kept" in line, line
+    assert not (dump / ".titan_draft.lock").exists()  # no empty lock file left behind
 
 
 def test_disk_full_in_tensorboard_is_one_line(capsys, monkeypatch, chat_jsonl, random_target_dir, tmp_path):
