@@ -330,3 +330,36 @@ def write_hf_only_target(folder, family: str, vocab_size: int = 300, num_layers:
                 p.normal_(0, 0.3)
     model.save_pretrained(str(folder), max_shard_size=max_shard_size)
     return str(folder)
+
+
+def record_whole_tensor_reads() -> list[str]:
+    """Make the target loaders' ``safe_open`` record every whole-tensor read (``get_tensor``) in
+    the list returned; a sharded load reads slices only (``get_slice``), so the list stays empty."""
+    import models.targets.qwen3.state_dict as sd_mod
+
+    full_reads: list[str] = []
+    real_open = sd_mod.safe_open
+
+    class Recording:
+        def __init__(self, *a, **k):
+            self.f = real_open(*a, **k)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, key):
+            return self.inner.get_slice(key)
+
+        def get_tensor(self, key):
+            full_reads.append(key)
+            return self.inner.get_tensor(key)
+
+    sd_mod.safe_open = Recording
+    return full_reads

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import spawn_ranks, write_rank_result
+from helpers import record_whole_tensor_reads, spawn_ranks, write_rank_result
 
 from titan_draft import load_target
 
@@ -51,38 +51,10 @@ def _worker(rank: int, port: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    import models.targets.qwen3.state_dict as sd_mod
-
     def compute():
         dist.init_process_group("gloo")
         mesh = init_device_mesh("cpu", (2,))
-        full_reads: list[str] = []
-        real_open = sd_mod.safe_open
-
-        class Recording:
-            """safe_open that records whole-tensor reads (a sharded load reads its slices)."""
-
-            def __init__(self, *a, **k):
-                self.f = real_open(*a, **k)
-
-            def __enter__(self):
-                self.inner = self.f.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return self.f.__exit__(*exc)
-
-            def keys(self):
-                return self.inner.keys()
-
-            def get_slice(self, key):
-                return self.inner.get_slice(key)
-
-            def get_tensor(self, key):
-                full_reads.append(key)
-                return self.inner.get_tensor(key)
-
-        sd_mod.safe_open = Recording
+        full_reads = record_whole_tensor_reads()
         result = {}
         for family in FAMILIES:
             model = load_target(os.path.join(root, family), dtype=torch.float32, device="cpu", mesh=mesh)

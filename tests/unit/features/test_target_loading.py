@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from models.targets.qwen3 import Qwen3Args, Qwen3Model, local_key_to_hf
-from helpers import spawn_ranks, write_rank_result
+from helpers import record_whole_tensor_reads, spawn_ranks, write_rank_result
 from titan_draft import load_target
 
 # vocab 301 and 3 kv heads x 16: rows that do not split evenly over 2 ranks
@@ -164,38 +164,10 @@ def _worker(rank: int, port: int, folder: str, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    import models.targets.qwen3.state_dict as sd_mod
-
     def compute():
         dist.init_process_group("gloo")
         mesh = init_device_mesh("cpu", (2,))
-        full_reads = []
-        real_open = sd_mod.safe_open
-
-        class Recording:
-            """safe_open that records whole-tensor reads (a sharded load must slice)."""
-
-            def __init__(self, *a, **k):
-                self.f = real_open(*a, **k)
-
-            def __enter__(self):
-                self.inner = self.f.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return self.f.__exit__(*exc)
-
-            def keys(self):
-                return self.inner.keys()
-
-            def get_slice(self, key):
-                return self.inner.get_slice(key)
-
-            def get_tensor(self, key):
-                full_reads.append(key)
-                return self.inner.get_tensor(key)
-
-        sd_mod.safe_open = Recording
+        full_reads = record_whole_tensor_reads()
         model = load_target(folder, dtype=torch.float32, device="cpu", mesh=mesh)
         local = sum(p.to_local().numel() for p in model.parameters())
         total = sum(p.numel() for p in model.parameters())
