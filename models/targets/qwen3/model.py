@@ -26,7 +26,7 @@ from models.common import (
 from models.targets.qwen3.args import Qwen3Args
 from models.targets.qwen3.cache import DecodeStep, KVCache, LayerCache
 from models.targets.qwen3.static_cache import StaticKVCache
-from titan_draft.protocols.features import document_spans
+from titan_draft.protocols.features import position_ids
 from titan_draft.protocols.target_spec import check_capture_layer_ids
 
 
@@ -203,9 +203,8 @@ class Qwen3Model(nn.Module):
         if document_ids is None:
             pos = torch.arange(seq, device=input_ids.device).unsqueeze(0)
         else:  # packed rows: positions restart and attention stays inside each document
-            starts, _ = document_spans(document_ids, torch.full_like(input_ids[:, 0], seq), seq)
-            pos = torch.arange(seq, device=input_ids.device) - starts
-            mask = build_causal_document_mask(starts)
+            pos = position_ids(document_ids, seq, input_ids.device)
+            mask = build_causal_document_mask(torch.arange(seq, device=input_ids.device) - pos)  # document starts
         cos, sin = self._rope(pos)
         h = self.embed_tokens(input_ids)
         if layer_ids is None:
