@@ -19,6 +19,11 @@ class DSparkArgs(BlockDiffusionArgs):
     predicts each slot's acceptance. Slot k's loss weight is ``exp(-k / loss_gamma)`` times the
     cumulative in-range-and-loss mask along the block."""
 
+    block_size: int = 7
+    """Slots per block b: the anchor slot and b - 1 mask slots, each drafting one token, so a round
+    drafts b tokens and verifies b + 1 (DeepSpec's recipe: 7)."""
+    loss_gamma: float = 4.0
+    """Decay of slot k's loss weight ``exp(-k / loss_gamma)`` (DeepSpec's recipe: 4)."""
     markov_rank: int = 256
     """Rank r of the Markov head: ``W1`` embeds the previous token in r dims, ``W2`` maps r dims to
     the vocabulary."""
