@@ -249,6 +249,15 @@ def test_loss_and_gradients_equal_the_definition(term, kind):
     assert (out.loss_sum / out.loss_denominator).item() == pytest.approx(want.item(), rel=1e-10)
     for name, p in d.named_parameters():
         assert torch.allclose(got[name], p.grad, rtol=1e-8, atol=1e-12), name
+    # every trainable tensor is reached, except the confidence head by a loss without its term and
+    # the Markov bias (W2 and the feature's own layers) by the confidence term alone: it reaches
+    # that term only through c*, which is detached (W1 still reaches it as the head's input)
+    dead = sorted(name for name, g in got.items() if g.abs().max() == 0)
+    want_dead = [] if conf_w else ["confidence_head.proj.bias", "confidence_head.proj.weight"]
+    if (ce_w, l1_w) == (0.0, 0.0):
+        want_dead = sorted(name for name in got if name == "markov_head.markov_w2.weight"
+                           or name.startswith(("markov_head.gate_proj.", "markov_head.joint_proj.")))
+    assert dead == want_dead
     # and the metrics are the same per-term means
     for metric, ref in (("ce", "ce"), ("l1", "l1"), ("conf_bce", "bce")):
         num, den = out.metrics[metric]
@@ -315,6 +324,18 @@ def test_recipe_constants_are_the_definitions():
 
 # ---- (6) the Markov head at decoding --------------------------------------------------------
 
+def ref_greedy_chain(d: DSparkDraft, rows, anchor_token: int, data_tokens: list[int] | None) -> list[int]:
+    """Greedy picks of the block ``rows [b, H]``: slot k's previous token is the pick of slot
+    k - 1 (``data_tokens``: the data's token there instead), the anchor's for slot 0."""
+    lm, w2 = d.target_lm_head, d.markov_head.markov_w2.weight
+    picks, prev, state = [], anchor_token, torch.zeros(d.args.markov_rank, dtype=torch.float64)
+    for k in range(rows.shape[0]):
+        feat, _, state = ref_markov_feature(d, rows[k], prev, state)
+        picks.append(int((lm @ rows[k] + w2 @ feat).argmax()))
+        prev = picks[-1] if data_tokens is None else data_tokens[min(k, len(data_tokens) - 1)]
+    return picks
+
+
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
 def test_decoding_chains_the_drafted_tokens_from_the_anchor(kind):
     """At decoding the Markov head reads the token drafted in the previous slot (not the data's,
@@ -325,7 +346,6 @@ def test_decoding_chains_the_drafted_tokens_from_the_anchor(kind):
     f = _features()
     x, aux = f.input_ids[0], f.aux_hidden[0]
     prop = DSparkProposer(d)
-    lm, w2 = d.target_lm_head, d.markov_head.markov_w2.weight
     differs = False
     for anchor in (3, 6, 9):
         prop.reset(S + B + 1)
@@ -333,17 +353,8 @@ def test_decoding_chains_the_drafted_tokens_from_the_anchor(kind):
         got = prop.propose(int(x[anchor])).tolist()
         with torch.no_grad():
             rows = ref_block_rows(d, aux, x, anchor)
-
-            def chain(prev_of):
-                picks, prev, state = [], int(x[anchor]), torch.zeros(R, dtype=torch.float64)
-                for k in range(B):
-                    feat, _, state = ref_markov_feature(d, rows[k], prev, state)
-                    picks.append(int((lm @ rows[k] + w2 @ feat).argmax()))
-                    prev = prev_of(k, picks)
-                return picks
-
-            want = chain(lambda k, picks: picks[-1])
-            forced = chain(lambda k, picks: int(x[min(anchor + k + 1, S - 1)]))
+            want = ref_greedy_chain(d, rows, int(x[anchor]), None)
+            forced = ref_greedy_chain(d, rows, int(x[anchor]), x[anchor + 1:].tolist())
         assert got == want, anchor
         differs |= forced != want
     assert differs
