@@ -8,6 +8,7 @@ from models.block_diffusion.args import BlockDiffusionArgs
 from models.block_diffusion.spec import update_block_args
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+MARKOV_INITS = ("zero_bias", "deepspec")
 
 
 @dataclass
@@ -30,6 +31,11 @@ class DSparkArgs(BlockDiffusionArgs):
     markov_head_type: str = "vanilla"
     """'vanilla' (bias ``W2 W1[x_{k-1}]``), 'gated' (``W1[x]`` gated by a sigmoid of
     ``[h_k; W1[x]]``) or 'rnn' (a gated recurrent state carried along the block)."""
+    markov_init: str = "zero_bias"
+    """How the Markov head starts: 'zero_bias' (``W2 = 0``, ``W1 ~ N(0, 1)``: the draft starts as
+    its backbone alone, and only ``W2`` moves at first) or 'deepspec' (``W1``, ``W2`` and the
+    gate/joint weights ``~ N(0, 0.02)``, DeepSpec's init: a near-zero bias whose two factors both
+    learn from the first step). Read at initialization only."""
     enable_confidence_head: bool = True
     """Train the confidence head (predicted acceptance of each slot) with its BCE term."""
     confidence_head_with_markov: bool = True
@@ -49,6 +55,8 @@ class DSparkArgs(BlockDiffusionArgs):
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
             raise ValueError(f"model.args.markov_head_type: {self.markov_head_type!r} is not one of "
                              f"{list(MARKOV_HEAD_TYPES)}")
+        if self.markov_init not in MARKOV_INITS:
+            raise ValueError(f"model.args.markov_init: {self.markov_init!r} is not one of {list(MARKOV_INITS)}")
         if self.markov_rank < 1:
             raise ValueError(f"model.args.markov_rank must be >= 1, got {self.markov_rank}")
         if self.loss_gamma <= 0:

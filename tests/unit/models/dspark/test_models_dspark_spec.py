@@ -135,3 +135,30 @@ def test_configs_load(name):
     cfg = ConfigManager().parse_args(["--job.config_file", path])
     assert cfg.model.name == "dspark" and cfg.model.flavor in dspark_flavors
     assert cfg.training.static_shapes
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+def test_markov_init_deepspec(kind):
+    """markov_init='deepspec' starts every Markov weight at N(0, 0.02) and its biases at 0 (the
+    backbone's pass over the modules, which resets an nn.Embedding to N(0, 1), does not undo it);
+    the default starts W2 at 0 and W1 at N(0, 1). A bad name is one line naming the field."""
+    torch.manual_seed(0)
+    d = DSparkDraft(replace(DEBUG, markov_head_type=kind, markov_init="deepspec", markov_rank=64))
+    d.init_weights()
+    head = d.markov_head
+    weights = [head.markov_w1.weight, head.markov_w2.weight]
+    biases = []
+    for proj in ("gate_proj", "joint_proj"):
+        if hasattr(head, proj):
+            weights.append(getattr(head, proj).weight)
+            biases.append(getattr(head, proj).bias)
+    for w in weights:
+        assert float(w.std()) == pytest.approx(0.02, rel=0.1) and abs(float(w.mean())) < 2e-3
+    assert all(float(b.abs().max()) == 0 for b in biases)
+    torch.manual_seed(0)
+    zero = DSparkDraft(replace(DEBUG, markov_head_type=kind, markov_rank=64))
+    zero.init_weights()
+    assert zero.markov_head.markov_w2.weight.abs().max() == 0
+    assert float(zero.markov_head.markov_w1.weight.std()) == pytest.approx(1.0, rel=0.1)
+    with pytest.raises(ValueError, match="model.args.markov_init: 'xavier' is not one of"):
+        DSparkDraft(replace(DEBUG, markov_init="xavier"))
