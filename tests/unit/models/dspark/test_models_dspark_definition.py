@@ -222,7 +222,8 @@ def test_block_rows_are_dflash_blocks_anchored_at_the_anchor():
 
 # ---- (1)-(5) the loss, one term at a time and as the recipe weighs them -----------------------
 
-TERMS = {"ce": (1.0, 0.0, 0.0), "l1": (0.0, 1.0, 0.0), "confidence": (0.0, 0.0, 1.0), "recipe": (CE_W, L1_W, CONF_W)}
+TERMS = {"ce": (1.0, 0.0, 0.0), "l1": (0.0, 1.0, 0.0), "confidence": (0.0, 0.0, 1.0), "recipe": (CE_W, L1_W, CONF_W),
+         "confidence_h_only": (0.0, 0.0, 1.0)}  # the head reading h_k alone
 
 
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
@@ -234,7 +235,7 @@ def test_loss_and_gradients_equal_the_definition(term, kind):
     vocabulary; confidence: c* detached, input [h_k; W1[x_{k-1}]]) and the recipe's sum."""
     ce_w, l1_w, conf_w = TERMS[term]
     args = replace(ARGS, markov_head_type=kind, ce_loss_weight=ce_w, l1_loss_weight=l1_w,
-                   confidence_loss_weight=conf_w)
+                   confidence_loss_weight=conf_w, confidence_head_with_markov=term != "confidence_h_only")
     d = _draft(args)
     f = _features()
     anchors, keep = _anchors(f)
@@ -256,7 +257,8 @@ def test_loss_and_gradients_equal_the_definition(term, kind):
     want_dead = [] if conf_w else ["confidence_head.proj.bias", "confidence_head.proj.weight"]
     if (ce_w, l1_w) == (0.0, 0.0):
         want_dead = sorted(name for name in got if name == "markov_head.markov_w2.weight"
-                           or name.startswith(("markov_head.gate_proj.", "markov_head.joint_proj.")))
+                           or name.startswith(("markov_head.gate_proj.", "markov_head.joint_proj."))
+                           or (name == "markov_head.markov_w1.weight" and not args.confidence_head_with_markov))
     assert dead == want_dead
     # and the metrics are the same per-term means
     for metric, ref in (("ce", "ce"), ("l1", "l1"), ("conf_bce", "bce")):
