@@ -158,7 +158,11 @@ def test_markov_init_deepspec(kind):
     torch.manual_seed(0)
     zero = DSparkDraft(replace(DEBUG, markov_head_type=kind, markov_rank=64))
     zero.init_weights()
-    assert zero.markov_head.markov_w2.weight.abs().max() == 0
+    assert zero.markov_head.markov_w2.weight.abs().max() == 0  # a fresh draft drafts as its backbone alone
+    for proj in ("gate_proj", "joint_proj"):
+        if hasattr(zero.markov_head, proj):
+            assert getattr(zero.markov_head, proj).bias.abs().max() == 0
+    assert zero.confidence_head.proj.bias.abs().max() == 0 and d.confidence_head.proj.bias.abs().max() == 0
     assert float(zero.markov_head.markov_w1.weight.std()) == pytest.approx(1.0, rel=0.1)
     with pytest.raises(ValueError, match="model.args.markov_init: 'xavier' is not one of"):
         DSparkDraft(replace(DEBUG, markov_init="xavier"))
