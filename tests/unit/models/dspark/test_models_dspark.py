@@ -153,14 +153,14 @@ def test_metrics_against_the_reference():
     _, _, slots = reference(d, f, anchors, keep)
     t = build_slot_targets(f.input_ids, f.loss_mask, f.valid_lengths, anchors, keep, 4, 4.0, torch.float64)
     lm = d.target_lm_head
-    greedy = prob = blocks = 0.0
+    greedy = prob = argmax_t1 = blocks = 0.0
     per_slot = [[0.0, 0.0] for _ in range(4)]
     conf_err = wsum = 0.0
     for (bi, n, k), (logits, conf) in slots.items():
         if k or not keep[bi, n]:
             continue
         blocks += 1
-        run_g = run_p = 1.0
+        run_g = run_p = run_a = 1.0
         for j in range(4):
             if not t.mask[bi, n, j]:
                 break
@@ -173,8 +173,10 @@ def test_metrics_against_the_reference():
             per_slot[j][1] += 1
             run_g *= ok
             run_p *= alpha
+            run_a *= float(pt[int(lj.argmax())])  # the argmax drafted, accepted at T = 1 with p_t of it
             greedy += run_g
             prob += run_p
+            argmax_t1 += run_a
             conf_err += float(t.weight[bi, n, j]) * abs(float(cj) - alpha)
             wsum += float(t.weight[bi, n, j])
 
@@ -184,6 +186,7 @@ def test_metrics_against_the_reference():
 
     assert value("accept_len") == pytest.approx(1 + greedy / blocks, rel=1e-10)
     assert value("tau_probabilistic") == pytest.approx(1 + prob / blocks, rel=1e-10)
+    assert value("tau_argmax_t1") == pytest.approx(1 + argmax_t1 / blocks, rel=1e-10)
     assert value("conf_abs_error") == pytest.approx(conf_err / wsum, rel=1e-9)
     for j in range(4):
         num, den = out.metrics[f"acc_{j}"]
@@ -386,6 +389,8 @@ def test_compiled_chunk_stats_equal_eager_on_bf16_tables():
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[2], want[2])
+    torch.testing.assert_close(got[4], want[4], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(want[4], torch.softmax(z_teacher.float(), -1).gather(1, want[2][:, None])[:, 0])
     assert got[3].dtype == torch.bfloat16
     torch.testing.assert_close(got[3].float(), want[3].float(), rtol=2e-2, atol=1e-6)
     # and the eager statistics are those of z = z_head + z_markov in fp32
