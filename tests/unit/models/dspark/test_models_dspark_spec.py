@@ -137,6 +137,21 @@ def test_configs_load(name):
     assert cfg.training.static_shapes
 
 
+def test_qwen3_8b_job_is_deepspecs_recipe():
+    """The optimizer and schedule of DeepSpec's dspark_qwen3_8b: AdamW lr 6e-4, torch's betas
+    (0.9, 0.999), no weight decay, 4 % linear warm-up then cosine to 0, clip 1.0; blocks of 7,
+    512 anchors, decay 4 (the flavor)."""
+    import os
+
+    from titan_draft.config import ConfigManager
+
+    cfg = ConfigManager().parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "dspark_qwen3_8b.toml")])
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    assert (o.name, o.lr, o.beta1, o.beta2, o.weight_decay) == ("AdamW", 6e-4, 0.9, 0.999, 0.0)
+    assert (s.warmup_ratio, s.decay_type, s.min_lr_factor, cfg.training.max_norm) == (0.04, "cosine", 0.0, 1.0)
+    assert cfg.model.flavor == "qwen3_8b" and not cfg.model.args
+
+
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
 def test_markov_init_deepspec(kind):
     """markov_init='deepspec' starts every Markov weight at N(0, 0.02) and its biases at 0 (the
