@@ -8,6 +8,7 @@ from models.block_diffusion.args import BlockDiffusionArgs
 from models.block_diffusion.spec import update_block_args
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+MARKOV_INITS = ("zero_bias", "deepspec")
 
 
 @dataclass
@@ -19,12 +20,22 @@ class DSparkArgs(BlockDiffusionArgs):
     predicts each slot's acceptance. Slot k's loss weight is ``exp(-k / loss_gamma)`` times the
     cumulative in-range-and-loss mask along the block."""
 
+    block_size: int = 7
+    """Slots per block b: the anchor slot and b - 1 mask slots, each drafting one token, so a round
+    drafts b tokens and verifies b + 1 (DeepSpec's recipe: 7)."""
+    loss_gamma: float = 4.0
+    """Decay of slot k's loss weight ``exp(-k / loss_gamma)`` (DeepSpec's recipe: 4)."""
     markov_rank: int = 256
     """Rank r of the Markov head: ``W1`` embeds the previous token in r dims, ``W2`` maps r dims to
     the vocabulary."""
     markov_head_type: str = "vanilla"
     """'vanilla' (bias ``W2 W1[x_{k-1}]``), 'gated' (``W1[x]`` gated by a sigmoid of
     ``[h_k; W1[x]]``) or 'rnn' (a gated recurrent state carried along the block)."""
+    markov_init: str = "zero_bias"
+    """How the Markov head starts: 'zero_bias' (``W2 = 0``, ``W1 ~ N(0, 1)``: the draft starts as
+    its backbone alone, and only ``W2`` moves at first) or 'deepspec' (``W1``, ``W2`` and the
+    gate/joint weights ``~ N(0, 0.02)``, DeepSpec's init: a near-zero bias whose two factors both
+    learn from the first step). Read at initialization only."""
     enable_confidence_head: bool = True
     """Train the confidence head (predicted acceptance of each slot) with its BCE term."""
     confidence_head_with_markov: bool = True
@@ -44,6 +55,8 @@ class DSparkArgs(BlockDiffusionArgs):
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
             raise ValueError(f"model.args.markov_head_type: {self.markov_head_type!r} is not one of "
                              f"{list(MARKOV_HEAD_TYPES)}")
+        if self.markov_init not in MARKOV_INITS:
+            raise ValueError(f"model.args.markov_init: {self.markov_init!r} is not one of {list(MARKOV_INITS)}")
         if self.markov_rank < 1:
             raise ValueError(f"model.args.markov_rank must be >= 1, got {self.markov_rank}")
         if self.loss_gamma <= 0:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.dspark.args import MARKOV_HEAD_TYPES
+from models.dspark.args import MARKOV_HEAD_TYPES, MARKOV_INITS
 
 
 class MarkovHead(nn.Module):
@@ -29,14 +29,17 @@ class MarkovHead(nn.Module):
                ``s_k = sigmoid(g) * s_{k-1} + (1 - sigmoid(g)) * tanh(c)``, ``f_k = tanh(o)``,
                ``s_{-1} = 0``.
 
-    ``W2`` starts at zero, so an initialized DSpark drafts what its backbone alone does.
+    ``init`` 'zero_bias': ``W2`` starts at zero, so an initialized DSpark drafts what its backbone
+    alone does; 'deepspec': every weight ``~ N(0, 0.02)`` (DeepSpec's init), biases zero.
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, rank: int, kind: str):
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, kind: str, init: str = "zero_bias"):
         super().__init__()
         if kind not in MARKOV_HEAD_TYPES:
             raise ValueError(f"markov_head_type {kind!r} is not one of {list(MARKOV_HEAD_TYPES)}")
-        self.kind, self.rank = kind, rank
+        if init not in MARKOV_INITS:
+            raise ValueError(f"markov_init {init!r} is not one of {list(MARKOV_INITS)}")
+        self.kind, self.rank, self.init = kind, rank, init
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
         if kind == "gated":
@@ -78,8 +81,12 @@ class MarkovHead(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.markov_w1.weight, std=1.0)
-        nn.init.zeros_(self.markov_w2.weight)
+        if self.init == "deepspec":
+            nn.init.normal_(self.markov_w1.weight, std=0.02)
+            nn.init.normal_(self.markov_w2.weight, std=0.02)
+        else:
+            nn.init.normal_(self.markov_w1.weight, std=1.0)
+            nn.init.zeros_(self.markov_w2.weight)
         for proj in (self._modules.get("gate_proj"), self._modules.get("joint_proj")):
             if proj is not None:
                 nn.init.normal_(proj.weight, std=0.02)

@@ -41,6 +41,9 @@ class DistillOutput:
     """[N] per-row ``|p_draft - p_target|_1`` in [0, 2]; not differentiable."""
     argmax: torch.Tensor
     """[N] int64 argmax of the draft logits."""
+    teacher_at_argmax: torch.Tensor
+    """[N] ``p_target(argmax)``: the T = 1 acceptance of a draft that proposes its argmax (a
+    point mass) instead of sampling from its distribution; not differentiable."""
 
 
 # Logits more than this below a row's max are raised to it before exp: past it fp32 probabilities
@@ -60,7 +63,7 @@ def _softmax_lse(z):
 
 def _chunk_stats(z_head, z_markov, z_teacher, labels, weight, ce_weight: float, l1_weight: float,
                  need_grad: bool, acc: torch.dtype, grad_dtype: torch.dtype):
-    """CE, L1, argmax and (``need_grad``) ``d loss / d z`` in ``grad_dtype`` of one ``[c, V]``
+    """CE, L1, argmax, ``p_t(argmax)`` and (``need_grad``) ``d loss / d z`` in ``grad_dtype`` of one ``[c, V]``
     chunk, from the matmuls' outputs in the tables' dtype (``z = z_head + z_markov``, the
     target's ``z_teacher``) with statistics in ``acc`` (>= fp32). Compiled, the casts and the
     sum are part of the passes over the chunk instead of five more [c, V] fp32 tensors."""
@@ -72,13 +75,14 @@ def _chunk_stats(z_head, z_markov, z_teacher, labels, weight, ce_weight: float, 
     diff = p - pt
     l1 = diff.abs().sum(dim=-1)
     argmax = z.argmax(dim=-1)
+    pt_argmax = pt.gather(1, argmax[:, None]).squeeze(1)
     if not need_grad:
-        return ce, l1, argmax, None
+        return ce, l1, argmax, None, pt_argmax
     sign = torch.sign(diff)
     g_l1 = p * (sign - (p * sign).sum(dim=-1, keepdim=True))
     g_ce = p.scatter_add(1, labels[:, None], torch.full_like(p[:, :1], -1.0))
     grad_z = weight[:, None] * (ce_weight * g_ce + l1_weight * g_l1)
-    return ce, l1, argmax, grad_z.to(grad_dtype)
+    return ce, l1, argmax, grad_z.to(grad_dtype), pt_argmax
 
 
 # one graph per chunk size (a run has at most two: full and last), as models/common/cross_entropy.py
@@ -151,6 +155,7 @@ class _MarkovDistill(torch.autograd.Function):
         ce = torch.empty(n, dtype=acc, device=hidden.device)
         l1 = torch.empty(n, dtype=acc, device=hidden.device)
         argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
+        pt_argmax = torch.empty(n, dtype=acc, device=hidden.device)
         grad_h = torch.empty(n, hidden.shape[1], dtype=acc, device=hidden.device) if need else None
         grad_f = torch.empty(n, feats.shape[1], dtype=acc, device=hidden.device) if need else None
         grad_w2 = torch.zeros(w2.shape, dtype=acc, device=hidden.device) if need else None
@@ -169,8 +174,8 @@ class _MarkovDistill(torch.autograd.Function):
             z_head = hidden[s:e].to(lm_head.dtype) @ lm_head.t()
             span = spans[s // chunk_rows] if spans is not None else None
             z_teacher = _teacher_logits(teacher, teacher_index, lm_head, s, e, span)
-            ce[s:e], l1[s:e], argmax[s:e], grad_z = stats(z_head, fc @ w2.t(), z_teacher, labels[s:e], w[s:e],
-                                                          ce_weight, l1_weight, need, acc, grad_dtype)
+            ce[s:e], l1[s:e], argmax[s:e], grad_z, pt_argmax[s:e] = stats(
+                z_head, fc @ w2.t(), z_teacher, labels[s:e], w[s:e], ce_weight, l1_weight, need, acc, grad_dtype)
             del z_head, z_teacher
             if need:
                 grad_h[s:e] = (grad_z.to(lm_head.dtype) @ lm_head).to(acc)
@@ -181,11 +186,11 @@ class _MarkovDistill(torch.autograd.Function):
         loss_sum = (w * (ce_weight * ce + l1_weight * l1)).sum()
         ctx.save_for_backward(grad_h, grad_f, grad_w2)
         ctx.dtypes = (hidden.dtype, feats.dtype, w2.dtype)
-        ctx.mark_non_differentiable(ce, l1, argmax)
-        return loss_sum, ce, l1, argmax
+        ctx.mark_non_differentiable(ce, l1, argmax, pt_argmax)
+        return loss_sum, ce, l1, argmax, pt_argmax
 
     @staticmethod
-    def backward(ctx, g, _g_ce, _g_l1, _g_argmax):
+    def backward(ctx, g, _g_ce, _g_l1, _g_argmax, _g_pt_argmax):
         grad_h, grad_f, grad_w2 = ctx.saved_tensors
         dh, df, dw = ctx.dtypes
         g = g.to(grad_h.dtype)
@@ -237,6 +242,7 @@ def markov_distill(
                          f"[N, r] and [V, r]")
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    loss_sum, ce, l1, argmax = _MarkovDistill.apply(hidden, feats, w2, lm_head, teacher, teacher_index, labels, weight,
-                                                     float(ce_weight), float(l1_weight), int(chunk_rows), spans)
-    return DistillOutput(loss_sum=loss_sum, ce=ce, l1=l1, argmax=argmax)
+    loss_sum, ce, l1, argmax, pt_argmax = _MarkovDistill.apply(
+        hidden, feats, w2, lm_head, teacher, teacher_index, labels, weight, float(ce_weight), float(l1_weight),
+        int(chunk_rows), spans)
+    return DistillOutput(loss_sum=loss_sum, ce=ce, l1=l1, argmax=argmax, teacher_at_argmax=pt_argmax)

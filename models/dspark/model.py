@@ -28,9 +28,16 @@ class DSparkDraft(BlockDiffusionDraft):
         args.check()
         super().__init__(args, BlockDecoderLayer)
         h, r = args.hidden_size, args.markov_rank
-        self.markov_head = MarkovHead(h, args.vocab_size, r, args.markov_head_type)
+        self.markov_head = MarkovHead(h, args.vocab_size, r, args.markov_head_type, args.markov_init)
         self.confidence_head = (ConfidenceHead(h, r, args.confidence_head_with_markov)
                                 if args.enable_confidence_head else None)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        super().init_weights()
+        # the backbone's pass resets markov_w1 (an nn.Embedding: N(0, 1)) after the head itself,
+        # so the head's own init (markov_init) has the last word here
+        self.markov_head.reset_parameters()
 
     def set_train_progress(self, step: int, total_steps: int) -> None:
         pass

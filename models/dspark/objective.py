@@ -134,6 +134,10 @@ def dspark_objective(draft, hidden: torch.Tensor, blocks: DraftBlocks, last_hidd
     # greedy: accepted up to the first miss; T = 1: expected accepted length of the block
     metrics["accept_len"] = ((keep * (1.0 + torch.cumprod(ok3, dim=-1).sum(dim=-1))).sum(), keep.sum())
     metrics["tau_probabilistic"] = ((keep * (1.0 + torch.cumprod(acc3, dim=-1).sum(dim=-1))).sum(), keep.sum())
+    # T = 1 again, each slot drafting its argmax (accepted with p_t(argmax)), as the eval's
+    # deterministic proposers draft at T > 0: the gap to tau_probabilistic is what they give up
+    arg3 = (m * out.teacher_at_argmax).view(bsz, n, b)
+    metrics["tau_argmax_t1"] = ((keep * (1.0 + torch.cumprod(arg3, dim=-1).sum(dim=-1))).sum(), keep.sum())
 
     if draft.confidence_head is not None:
         logit = draft.confidence_head(rows, prev_emb.reshape(bsz * n * b, -1)).to(acc)

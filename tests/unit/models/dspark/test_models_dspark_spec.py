@@ -135,3 +135,49 @@ def test_configs_load(name):
     cfg = ConfigManager().parse_args(["--job.config_file", path])
     assert cfg.model.name == "dspark" and cfg.model.flavor in dspark_flavors
     assert cfg.training.static_shapes
+
+
+def test_qwen3_8b_job_is_deepspecs_recipe():
+    """The optimizer and schedule of DeepSpec's dspark_qwen3_8b: AdamW lr 6e-4, torch's betas
+    (0.9, 0.999), no weight decay, 4 % linear warm-up then cosine to 0, clip 1.0; blocks of 7,
+    512 anchors, decay 4 (the flavor)."""
+    import os
+
+    from titan_draft.config import ConfigManager
+
+    cfg = ConfigManager().parse_args(["--job.config_file", os.path.join(REPO, "train_configs", "dspark_qwen3_8b.toml")])
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    assert (o.name, o.lr, o.beta1, o.beta2, o.weight_decay) == ("AdamW", 6e-4, 0.9, 0.999, 0.0)
+    assert (s.warmup_ratio, s.decay_type, s.min_lr_factor, cfg.training.max_norm) == (0.04, "cosine", 0.0, 1.0)
+    assert cfg.model.flavor == "qwen3_8b" and not cfg.model.args
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+def test_markov_init_deepspec(kind):
+    """markov_init='deepspec' starts every Markov weight at N(0, 0.02) and its biases at 0 (the
+    backbone's pass over the modules, which resets an nn.Embedding to N(0, 1), does not undo it);
+    the default starts W2 at 0 and W1 at N(0, 1). A bad name is one line naming the field."""
+    torch.manual_seed(0)
+    d = DSparkDraft(replace(DEBUG, markov_head_type=kind, markov_init="deepspec", markov_rank=64))
+    d.init_weights()
+    head = d.markov_head
+    weights = [head.markov_w1.weight, head.markov_w2.weight]
+    biases = []
+    for proj in ("gate_proj", "joint_proj"):
+        if hasattr(head, proj):
+            weights.append(getattr(head, proj).weight)
+            biases.append(getattr(head, proj).bias)
+    for w in weights:
+        assert float(w.std()) == pytest.approx(0.02, rel=0.1) and abs(float(w.mean())) < 2e-3
+    assert all(float(b.abs().max()) == 0 for b in biases)
+    torch.manual_seed(0)
+    zero = DSparkDraft(replace(DEBUG, markov_head_type=kind, markov_rank=64))
+    zero.init_weights()
+    assert zero.markov_head.markov_w2.weight.abs().max() == 0  # a fresh draft drafts as its backbone alone
+    for proj in ("gate_proj", "joint_proj"):
+        if hasattr(zero.markov_head, proj):
+            assert getattr(zero.markov_head, proj).bias.abs().max() == 0
+    assert zero.confidence_head.proj.bias.abs().max() == 0 and d.confidence_head.proj.bias.abs().max() == 0
+    assert float(zero.markov_head.markov_w1.weight.std()) == pytest.approx(1.0, rel=0.1)
+    with pytest.raises(ValueError, match="model.args.markov_init: 'xavier' is not one of"):
+        DSparkDraft(replace(DEBUG, markov_init="xavier"))
