@@ -1,0 +1,394 @@
+"""Compare drafts fairly: the same wall-clock budget per training job, the same data and prompts.
+
+    python scripts/compare_drafts.py --minutes 6 --speed-dtype bfloat16
+    python scripts/compare_drafts.py --minutes 6 --view equal-draft-tokens
+
+For each draft (a recipe TOML; default the three SmolLM2 recipes):
+
+1. calibration: the draft's own job for ``--calibration-steps`` steps, timed from start to exit;
+   its median warm step and what the job spent besides its steps (start-up, target load, compile,
+   warm-up, the last checkpoint, the export) are recorded;
+2. plan: the training steps whose whole job fits ``--minutes`` (less ``--margin`` of it); the
+   recipe's lr schedule (warm-up ratio, cosine) then spans those steps;
+3. training: the real job, timed from start to exit; its steps, median logged step, peak memory;
+4. eval: ``python -m titan_draft.eval`` on the export, fp32, at every ``--temperatures`` value (T = 0
+   greedy with the token-for-token lossless check, T > 0 speculative sampling with a fixed seed),
+   and with ``--speed-dtype`` greedy in that dtype for speculative against plain tokens/s.
+
+The table goes to ``<out>/table_<view>.md`` and ``.json``. Every stage writes its result to
+``<out>/<draft>/``; run the same command again after an interruption and finished stages are
+skipped, an interrupted training resumes from its last checkpoint. In-training evals are off in
+every job (the budget is for training; the eval above measures every draft the same way).
+Arguments the script does not know are job-config overrides for every draft
+(``--data.packing true``). docs/compare.md has more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # runnable from a checkout without an install
+    sys.path.insert(0, REPO)
+
+from scripts.compare_plan import (
+    BudgetError,
+    Calibration,
+    build_calibration,
+    choose_steps,
+    read_run_metrics,
+    summarize_run,
+)
+from scripts.compare_report import (
+    build_row,
+    eval_report_name,
+    speed_source,
+    write_table,
+)
+from titan_draft.checkpoint.export import exported_step
+from titan_draft.config import ConfigManager
+from titan_draft.config.manager import ConfigError
+
+DEFAULT_CONFIGS = ",".join(f"train_configs/{d}_smollm2.toml" for d in ("eagle3", "dflash2", "dspark"))
+# Keys the comparison sets itself: an override of one would change what is compared.
+OWN_KEYS = {"job.config_file", "job.dump_folder", "training.steps", "training.epochs",
+            "metrics.enable_tensorboard", "eval.enable", "checkpoint.export"}
+# The data and target every draft must share.
+SHARED_KEYS = (("target", "path"), ("data", "source"), ("data", "holdout_rows"))
+# Equal drafted tokens per round: DSpark's block of b slots drafts b tokens, a DFlash2 block of b
+# slots drafts b - 1 (its slot 0 holds the anchor).
+BLOCK_SIZE_FOR_DRAFTED = {"dspark": lambda n: n, "dflash2": lambda n: n + 1}
+
+
+class CompareError(Exception):
+    """One line for the user, with an exit status (2: the request is wrong, 1: a run failed)."""
+
+    def __init__(self, line: str, status: int = 2):
+        super().__init__(line)
+        self.status = status
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="python scripts/compare_drafts.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated recipe TOMLs, one per draft")
+    p.add_argument("--minutes", type=float, required=True, help="wall-clock budget of each training job")
+    p.add_argument("--margin", type=float, default=0.03, help="share of the budget kept free (a slower step, a save)")
+    p.add_argument("--target", default=None, help="target HF folder for every draft (default: the configs' target.path)")
+    p.add_argument("--data", default=None, help="data.source for every draft (default: the configs')")
+    p.add_argument("--prompts", default="mtbench", help="eval prompts, as titan_draft.eval reads them")
+    p.add_argument("--num-prompts", type=int, default=0, help="per prompt source (0: all; MT-Bench has 80)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperatures", default="0,1", help="comma-separated eval temperatures (fp32)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the T > 0 evals")
+    p.add_argument("--speed-dtype", default=None, choices=["bfloat16"],
+                   help="also decode greedily in this dtype for speculative against plain tokens/s")
+    p.add_argument("--device", default="auto", help="eval device: auto, cpu, cuda")
+    p.add_argument("--view", default="recipes", choices=["recipes", "equal-draft-tokens"],
+                   help="recipes: each config as it is; equal-draft-tokens: DSpark and DFlash2 at equal "
+                        "drafted tokens per round (--drafted)")
+    p.add_argument("--drafted", default="7,15", help="drafted tokens per round of the equal-draft-tokens view")
+    p.add_argument("--calibration-steps", type=int, default=60)
+    p.add_argument("--calibration-warmup", type=int, default=10, help="leading calibration steps left out of the median")
+    p.add_argument("--launcher", default="run_train", choices=["run_train", "python"],
+                   help="run_train: ./run_train.sh (torchrun, NGPU=1 unless set); python: python -m titan_draft.train")
+    p.add_argument("--out", default="outputs/compare_drafts")
+    a, extra = p.parse_known_args(argv)
+    if a.calibration_warmup < 0 or a.calibration_steps <= a.calibration_warmup:
+        raise CompareError(f"--calibration-steps ({a.calibration_steps}) must exceed --calibration-warmup "
+                           f"({a.calibration_warmup}) >= 0")
+    try:
+        a.temperatures = [float(t) for t in a.temperatures.split(",")]
+        a.drafted = [int(n) for n in a.drafted.split(",")]
+    except ValueError as e:
+        raise CompareError(f"--temperatures / --drafted: {e}") from None
+    if any(t < 0 for t in a.temperatures) or any(n < 1 for n in a.drafted):
+        raise CompareError("--temperatures must be >= 0 and --drafted >= 1")
+    return a, extra
+
+
+def override_keys(overrides: list[str]) -> set[str]:
+    """The config keys a ``--section.key value`` list sets (``--no-x.y`` and ``--x.y=v`` too)."""
+    keys = set()
+    for token in overrides:
+        if token.startswith("--"):
+            key = token[2:].split("=", 1)[0]
+            key = key.removeprefix("no-")
+            keys.add(key.replace("-", "_"))
+    return keys
+
+
+def _abspath_if_exists(path: str | None) -> str | None:
+    return os.path.abspath(path) if path and os.path.exists(path) else path
+
+
+def build_runs(a: argparse.Namespace, extra: list[str]) -> list[dict]:
+    """One entry per training job of the view: label, config path, its argv without the keys the
+    comparison sets, the resolved job config."""
+    if extra and not extra[0].startswith("--"):
+        raise CompareError(f"unexpected argument {extra[0]!r} (overrides are --section.key value)")
+    own = sorted(override_keys(extra) & OWN_KEYS)
+    if own:
+        raise CompareError(f"--{own[0]} is set by the comparison for every job, not by an override")
+    shared = []
+    if a.target:
+        shared += ["--target.path", _abspath_if_exists(a.target)]
+    if a.data:
+        shared += ["--data.source", _abspath_if_exists(a.data)]
+    runs = []
+    for path in a.configs.split(","):
+        config = os.path.abspath(path)
+        stem = os.path.splitext(os.path.basename(config))[0]
+        base = ["--job.config_file", config]
+        cfg = _resolve(base + shared + extra)
+        variants = [(stem, [])]
+        if a.view == "equal-draft-tokens":
+            if "model.args.block_size" in override_keys(extra):
+                raise CompareError("--model.args.block_size is set by the equal-draft-tokens view (see --drafted)")
+            rule = BLOCK_SIZE_FOR_DRAFTED.get(cfg.model.name)
+            if rule is None:
+                _log(f"{stem}: left out of the equal-draft-tokens view (draft {cfg.model.name!r} has no block size)")
+                continue
+            variants = [(f"{stem}-drafted{n}", ["--model.args.block_size", str(rule(n))]) for n in a.drafted]
+        for label, view_args in variants:
+            argv = base + view_args + shared + extra
+            runs.append({"label": label, "config": config, "view_args": view_args, "argv": argv,
+                         "cfg": _resolve(argv)})
+    if not runs:
+        raise CompareError(f"no draft of {a.configs} takes part in the {a.view} view")
+    for section, key in SHARED_KEYS:
+        values = {r["label"]: getattr(getattr(r["cfg"], section), key) for r in runs}
+        if len(set(map(str, values.values()))) > 1:
+            raise CompareError(f"{section}.{key} differs between the drafts ({values}): the comparison trains "
+                               f"every draft on the same data for the same target (--target, --data)")
+    return runs
+
+
+def _resolve(argv: list[str]):
+    try:
+        cfg = ConfigManager().parse_args(argv)
+    except ConfigError as e:
+        raise CompareError(str(e)) from None
+    if cfg.training.epochs > 0:
+        raise CompareError(f"{argv[1]}: training.epochs = {cfg.training.epochs}: the comparison chooses "
+                           "training.steps from the budget; set epochs to 0")
+    return cfg
+
+
+# ---- running and logging ----
+
+LOG_PATH: list[str] = []  # <out>/compare.log once the out folder is known
+
+
+def _log(line: str) -> None:
+    line = f"[{datetime.datetime.now():%H:%M:%S}] {line}"
+    print(line, flush=True)
+    if LOG_PATH:
+        with open(LOG_PATH[0], "a") as f:
+            f.write(line + "\n")
+
+
+def run_logged(cmd: list[str], log_path: str, env_extra: dict | None = None) -> tuple[int, float]:
+    """Run ``cmd`` from the repository root, its output appended to ``log_path``; (exit status,
+    wall seconds). Ctrl-C reaches the job too (same process group): it saves and exits, and this
+    waits for that instead of killing it mid-save."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+           **(env_extra or {})}
+    with open(log_path, "a") as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            proc.wait()
+            raise CompareError("interrupted: the running job stopped (a training job saves a checkpoint first); "
+                               "run the same command again to continue", status=130) from None
+    return rc, time.monotonic() - start
+
+
+def _last_line(log_path: str) -> str:
+    with open(log_path, errors="replace") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def train_command(a, argv: list[str], dump: str, steps: int, extra: list[str]) -> tuple[list[str], dict]:
+    job = [*argv, "--job.dump_folder", dump, "--training.steps", str(steps),
+           "--metrics.enable_tensorboard", "true", "--eval.enable", "false", "--checkpoint.export", "true", *extra]
+    if a.launcher == "python":
+        return [sys.executable, "-m", "titan_draft.train", *job], {}
+    return [os.path.join(REPO, "run_train.sh"), *job], {"NGPU": os.environ.get("NGPU", "1")}
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write_json(path: str, value: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=2)
+    os.replace(tmp, path)  # a stage's record is whole or absent
+
+
+def check_settings(path: str, settings: dict, what: str) -> bool:
+    """Record ``settings`` at ``path``; False when another record is there (differences named)."""
+    old = _read_json(path)
+    if old is None:
+        _write_json(path, settings)
+        return True
+    if old == settings:
+        return True
+    changed = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+    _log(f"{what}: settings changed since {path} was written: {', '.join(changed)}")
+    return False
+
+
+# ---- the stages of one draft ----
+
+
+def calibrate(a, run: dict, folder: str) -> dict:
+    path = os.path.join(folder, "calibration.json")
+    if (done := _read_json(path)) is not None:
+        _log(f"{run['label']}: calibration already done ({path})")
+        return done
+    dump = os.path.join(folder, "calibration")
+    shutil.rmtree(dump, ignore_errors=True)  # always a fresh job: a resumed one would time differently
+    log = os.path.join(folder, "calibration.log")
+    _log(f"{run['label']}: calibration, {a.calibration_steps} steps (log {log})")
+    cmd, env = train_command(a, run["argv"], dump, a.calibration_steps, ["--metrics.log_freq", "1"])
+    rc, wall = run_logged(cmd, log, env)
+    if rc != 0 or exported_step(os.path.join(dump, run["cfg"].checkpoint.export_folder)) != a.calibration_steps:
+        raise CompareError(f"{run['label']}: the calibration job failed (exit {rc}; {log}): {_last_line(log)}", 1)
+    try:
+        metrics = read_run_metrics(os.path.join(dump, run["cfg"].metrics.save_tb_folder, "run"))
+        calibration = build_calibration(metrics, a.calibration_steps, a.calibration_warmup, wall).to_json()
+    except BudgetError as e:
+        raise CompareError(f"{run['label']}: calibration: {e}", 1) from None
+    _write_json(path, calibration)
+    _log(f"{run['label']}: calibration {wall:.1f} s, median step {1e3 * calibration['median_step_s']:.1f} ms, "
+         f"setup {calibration['setup_s']:.1f} s")
+    return calibration
+
+
+def train(a, run: dict, folder: str, steps: int) -> None:
+    dump = os.path.join(folder, "run")
+    export = os.path.join(dump, run["cfg"].checkpoint.export_folder)
+    record = os.path.join(folder, "train.json")
+    if _read_json(record) is not None and exported_step(export) == steps:
+        _log(f"{run['label']}: training already done ({record})")
+        return
+    attempts_path = os.path.join(folder, "train_attempts.json")
+    attempts = (_read_json(attempts_path) or {}).get("wall_s", [])
+    if not os.path.isdir(os.path.join(dump, run["cfg"].checkpoint.folder)):
+        attempts = []  # nothing to resume from: this job starts over, and so does its wall clock
+    log = os.path.join(folder, "train.log")
+    _log(f"{run['label']}: training, {steps} steps" + (f", attempt {len(attempts) + 1}" if attempts else "")
+         + f" (log {log})")
+    cmd, env = train_command(a, run["argv"], dump, steps, [])
+    rc, wall = run_logged(cmd, log, env)
+    attempts.append(wall)
+    _write_json(attempts_path, {"wall_s": attempts})
+    if rc != 0:
+        raise CompareError(f"{run['label']}: the training job failed (exit {rc}; {log}): {_last_line(log)}", 1)
+    if exported_step(export) != steps:
+        raise CompareError(f"{run['label']}: the training job stopped before step {steps} ({log}: "
+                           f"{_last_line(log)}); run the same command again to resume", 1)
+    try:
+        metrics = read_run_metrics(os.path.join(dump, run["cfg"].metrics.save_tb_folder, "run"))
+        summary = summarize_run(metrics, steps, sum(attempts), len(attempts))
+    except BudgetError as e:
+        raise CompareError(f"{run['label']}: training: {e}", 1) from None
+    for name in os.listdir(folder):  # a new training makes the reports of an earlier one stale
+        if name.startswith("eval_t") and name.endswith(".json"):
+            os.remove(os.path.join(folder, name))
+    _write_json(record, summary)
+    _log(f"{run['label']}: trained {steps} steps in {summary['wall_s'] / 60:.2f} min "
+         f"(budget {a.minutes:g}), median step {summary['median_step_ms']:.1f} ms")
+
+
+def evaluate(a, run: dict, folder: str) -> None:
+    settings = {"target": run["cfg"].target.path, "prompts": a.prompts, "num_prompts": a.num_prompts,
+                "max_new_tokens": a.max_new_tokens, "seed": a.seed, "device": a.device}
+    if not check_settings(os.path.join(folder, "eval_settings.json"), settings, run["label"]):
+        for name in os.listdir(folder):
+            if name.startswith("eval_t") and name.endswith(".json"):
+                os.remove(os.path.join(folder, name))
+        _log(f"{run['label']}: its eval reports were made with other settings: evaluating again")
+        _write_json(os.path.join(folder, "eval_settings.json"), settings)
+    wanted = [(t, "float32") for t in a.temperatures]
+    speed = speed_source(a.temperatures, a.speed_dtype)
+    if speed is not None and speed not in wanted:
+        wanted.append(speed)
+    export = os.path.join(folder, "run", run["cfg"].checkpoint.export_folder)
+    for temperature, dtype in wanted:
+        out = os.path.join(folder, eval_report_name(temperature, dtype))
+        if os.path.isfile(out):
+            _log(f"{run['label']}: eval T={temperature:g} {dtype} already done ({out})")
+            continue
+        log = os.path.join(folder, "eval.log")
+        _log(f"{run['label']}: eval T={temperature:g} {dtype} (log {log})")
+        cmd = [sys.executable, "-m", "titan_draft.eval", "--target", settings["target"], "--draft", export,
+               "--prompts", a.prompts, "--num-prompts", str(a.num_prompts), "--max-new-tokens",
+               str(a.max_new_tokens), "--dtype", dtype, "--temperature", f"{temperature:g}", "--seed",
+               str(a.seed), "--device", a.device, "--out", out]
+        if temperature > 0:  # sampling: the plain decode checks nothing token for token
+            cmd.append("--no-lossless-check")
+        rc, _ = run_logged(cmd, log)
+        if rc != 0 or not os.path.isfile(out):
+            raise CompareError(f"{run['label']}: the eval failed (exit {rc}; {log}): {_last_line(log)}", 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        a, extra = parse_args(sys.argv[1:] if argv is None else argv)
+        out = os.path.abspath(a.out)
+        os.makedirs(out, exist_ok=True)
+        LOG_PATH[:] = [os.path.join(out, "compare.log")]
+        _log(f"compare: {shlex.join(sys.argv if argv is None else ['compare_drafts.py', *argv])}")
+        runs = build_runs(a, extra)
+        meta = {"view": a.view, "minutes": a.minutes, "margin": a.margin, "calibration_steps": a.calibration_steps,
+                "prompts": a.prompts if not a.num_prompts else f"{a.prompts} (first {a.num_prompts})",
+                "max_new_tokens": a.max_new_tokens, "temperatures": a.temperatures, "seed": a.seed,
+                "speed_dtype": a.speed_dtype, "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}",
+                "overrides": extra}
+        rows = []
+        for run in runs:
+            folder = os.path.join(out, run["label"])
+            os.makedirs(folder, exist_ok=True)
+            settings = {"argv": run["argv"], "minutes": a.minutes, "margin": a.margin, "launcher": a.launcher,
+                        "calibration_steps": a.calibration_steps, "calibration_warmup": a.calibration_warmup}
+            if not check_settings(os.path.join(folder, "settings.json"), settings, run["label"]):
+                raise CompareError(f"{folder} holds a comparison made with other settings (above): give another "
+                                   "--out, or delete that folder to start it again")
+            calibration = calibrate(a, run, folder)
+            steps = choose_steps(run["label"], 60 * a.minutes, Calibration.from_json(calibration), a.margin)
+            _write_json(os.path.join(folder, "plan.json"), {"budget_s": 60 * a.minutes, "margin": a.margin,
+                                                           "steps": steps, "calibration": calibration})
+            train(a, run, folder, steps)
+            evaluate(a, run, folder)
+            info = {"draft": run["cfg"].model.name, "config": os.path.relpath(run["config"], REPO),
+                    "view_overrides": run["view_args"], "budget_min": a.minutes}
+            rows.append(build_row(folder, run["label"], info, a.temperatures, a.speed_dtype))
+            md, js = write_table(out, rows, meta)
+        _log(f"compare: done. Table: {md} ({js})")
+        return 0
+    except (CompareError, BudgetError) as e:
+        print(f"compare_drafts: error: {e}", file=sys.stderr)
+        return getattr(e, "status", 2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
