@@ -26,8 +26,10 @@ Arguments the script does not know are job-config overrides for every draft
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -54,8 +56,10 @@ from scripts.compare_report import (
     write_table,
 )
 from titan_draft.checkpoint.export import exported_step
-from titan_draft.config import ConfigManager
+from titan_draft.components.preflight import check_job_before_loading
+from titan_draft.config import ConfigManager, validate_job_config
 from titan_draft.config.manager import ConfigError
+from titan_draft.features.target import check_target_config
 
 DEFAULT_CONFIGS = ",".join(f"train_configs/{d}_smollm2.toml" for d in ("eagle3", "dflash2", "dspark"))
 # Keys the comparison sets itself: an override of one would change what is compared.
@@ -125,6 +129,12 @@ def override_keys(overrides: list[str]) -> set[str]:
     return keys
 
 
+def own_args(dump: str, steps: int) -> list[str]:
+    """The keys of OWN_KEYS (but the config file) as every job of the comparison gets them."""
+    return ["--job.dump_folder", dump, "--training.steps", str(steps), "--metrics.enable_tensorboard", "true",
+            "--eval.enable", "false", "--checkpoint.export", "true"]
+
+
 def _abspath_if_exists(path: str | None) -> str | None:
     return os.path.abspath(path) if path and os.path.exists(path) else path
 
@@ -160,7 +170,7 @@ def build_runs(a: argparse.Namespace, extra: list[str]) -> list[dict]:
         for label, view_args in variants:
             argv = base + view_args + shared + extra
             runs.append({"label": label, "config": config, "view_args": view_args, "argv": argv,
-                         "cfg": _resolve(argv)})
+                         "cfg": _resolve(argv + own_args("unused", 1))})
     if not runs:
         raise CompareError(f"no draft of {a.configs} takes part in the {a.view} view")
     for section, key in SHARED_KEYS:
@@ -168,7 +178,34 @@ def build_runs(a: argparse.Namespace, extra: list[str]) -> list[dict]:
         if len(set(map(str, values.values()))) > 1:
             raise CompareError(f"{section}.{key} differs between the drafts ({values}): the comparison trains "
                                f"every draft on the same data for the same target (--target, --data)")
+    for run in runs:
+        check_job(run)
     return runs
+
+
+@contextlib.contextmanager
+def _in_repo():
+    """Relative paths of a recipe are the repository's, as its jobs (run from there) read them."""
+    old = os.getcwd()
+    os.chdir(REPO)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def check_job(run: dict) -> None:
+    """The trainer's own checks that need no weights (values, draft args, target folder, data
+    rows), for every draft before the first job spends any time."""
+    quiet = logging.getLogger("compare_drafts.checks")
+    quiet.setLevel(logging.ERROR)  # the job itself logs its warnings
+    with _in_repo():
+        try:
+            validate_job_config(run["cfg"], quiet)
+            check_target_config(run["cfg"])
+            check_job_before_loading(run["cfg"])
+        except ValueError as e:
+            raise CompareError(f"{run['label']}: {e}") from None
 
 
 def _resolve(argv: list[str]):
@@ -222,8 +259,7 @@ def _last_line(log_path: str) -> str:
 
 
 def train_command(a, argv: list[str], dump: str, steps: int, extra: list[str]) -> tuple[list[str], dict]:
-    job = [*argv, "--job.dump_folder", dump, "--training.steps", str(steps),
-           "--metrics.enable_tensorboard", "true", "--eval.enable", "false", "--checkpoint.export", "true", *extra]
+    job = [*argv, *own_args(dump, steps), *extra]
     if a.launcher == "python":
         return [sys.executable, "-m", "titan_draft.train", *job], {}
     return [os.path.join(REPO, "run_train.sh"), *job], {"NGPU": os.environ.get("NGPU", "1")}
@@ -281,6 +317,21 @@ def calibrate(a, run: dict, folder: str) -> dict:
     _log(f"{run['label']}: calibration {wall:.1f} s, median step {1e3 * calibration['median_step_s']:.1f} ms, "
          f"setup {calibration['setup_s']:.1f} s")
     return calibration
+
+
+def plan(a, run: dict, folder: str, calibration: dict) -> int:
+    """The steps of the budget. Another budget than the one a started training was planned for is
+    refused: its steps and lr schedule are those of the first."""
+    steps = choose_steps(run["label"], 60 * a.minutes, Calibration.from_json(calibration), a.margin)
+    path = os.path.join(folder, "plan.json")
+    old = _read_json(path)
+    new = {"budget_s": 60 * a.minutes, "margin": a.margin, "steps": steps, "calibration": calibration}
+    if old is not None and old != new and os.path.isdir(os.path.join(folder, "run")):
+        raise CompareError(f"{run['label']}: {folder}/run was trained for {old['budget_s'] / 60:g} min with margin "
+                           f"{old['margin']:g} ({old['steps']} steps), not {a.minutes:g} min with margin {a.margin:g}: "
+                           f"give another --out, or delete {folder}/run and {folder}/train.json to train again")
+    _write_json(path, new)
+    return steps
 
 
 def train(a, run: dict, folder: str, steps: int) -> None:
@@ -368,15 +419,13 @@ def main(argv: list[str] | None = None) -> int:
         for run in runs:
             folder = os.path.join(out, run["label"])
             os.makedirs(folder, exist_ok=True)
-            settings = {"argv": run["argv"], "minutes": a.minutes, "margin": a.margin, "launcher": a.launcher,
-                        "calibration_steps": a.calibration_steps, "calibration_warmup": a.calibration_warmup}
+            settings = {"argv": run["argv"], "launcher": a.launcher, "calibration_steps": a.calibration_steps,
+                        "calibration_warmup": a.calibration_warmup}
             if not check_settings(os.path.join(folder, "settings.json"), settings, run["label"]):
                 raise CompareError(f"{folder} holds a comparison made with other settings (above): give another "
                                    "--out, or delete that folder to start it again")
             calibration = calibrate(a, run, folder)
-            steps = choose_steps(run["label"], 60 * a.minutes, Calibration.from_json(calibration), a.margin)
-            _write_json(os.path.join(folder, "plan.json"), {"budget_s": 60 * a.minutes, "margin": a.margin,
-                                                           "steps": steps, "calibration": calibration})
+            steps = plan(a, run, folder, calibration)
             train(a, run, folder, steps)
             evaluate(a, run, folder)
             info = {"draft": run["cfg"].model.name, "config": os.path.relpath(run["config"], REPO),

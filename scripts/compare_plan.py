@@ -107,11 +107,11 @@ def choose_steps(label: str, budget_s: float, calibration: Calibration, margin: 
         raise BudgetError(f"{label}: the calibration measured a median step of {step * 1e3:.3f} ms")
     steps = math.floor(left / step)
     if steps < 1:
-        need = (calibration.setup_s + step) / (1.0 - margin)
+        need_min = math.ceil(100 * (calibration.setup_s + step) / (1.0 - margin) / 60) / 100  # rounded up
         raise BudgetError(
             f"{label}: a budget of {budget_s / 60:.2f} min leaves no time to train: start-up, compile and "
             f"exit took {calibration.setup_s / 60:.2f} min of the calibration job ({calibration.steps} steps "
-            f"of {step * 1e3:.1f} ms in {calibration.wall_s / 60:.2f} min); give --minutes {need / 60:.2f} "
+            f"of {step * 1e3:.1f} ms in {calibration.wall_s / 60:.2f} min); give --minutes {need_min:.2f} "
             f"or more")
     return steps
 
