@@ -45,6 +45,7 @@ from scripts.compare_plan import (
     BudgetError,
     Calibration,
     build_calibration,
+    calibration_save_step,
     choose_steps,
     read_run_metrics,
     summarize_run,
@@ -304,28 +305,35 @@ def calibrate(a, run: dict, folder: str) -> dict:
     shutil.rmtree(dump, ignore_errors=True)  # always a fresh job: a resumed one would time differently
     log = os.path.join(folder, "calibration.log")
     _log(f"{run['label']}: calibration, {a.calibration_steps} steps (log {log})")
-    cmd, env = train_command(a, run["argv"], dump, a.calibration_steps, ["--metrics.log_freq", "1"])
+    save_step = calibration_save_step(a.calibration_steps, a.calibration_warmup) if run["cfg"].checkpoint.enable else None
+    extra = ["--metrics.log_freq", "1"] + ([] if save_step is None else ["--checkpoint.interval", str(save_step)])
+    cmd, env = train_command(a, run["argv"], dump, a.calibration_steps, extra)
     rc, wall = run_logged(cmd, log, env)
     if rc != 0 or exported_step(os.path.join(dump, run["cfg"].checkpoint.export_folder)) != a.calibration_steps:
         raise CompareError(f"{run['label']}: the calibration job failed (exit {rc}; {log}): {_last_line(log)}", 1)
     try:
         metrics = read_run_metrics(os.path.join(dump, run["cfg"].metrics.save_tb_folder, "run"))
-        calibration = build_calibration(metrics, a.calibration_steps, a.calibration_warmup, wall).to_json()
+        calibration = build_calibration(metrics, a.calibration_steps, a.calibration_warmup, wall,
+                                        save_step).to_json()
     except BudgetError as e:
         raise CompareError(f"{run['label']}: calibration: {e}", 1) from None
     _write_json(path, calibration)
     _log(f"{run['label']}: calibration {wall:.1f} s, median step {1e3 * calibration['median_step_s']:.1f} ms, "
-         f"setup {calibration['setup_s']:.1f} s")
+         f"setup {calibration['setup_s']:.1f} s, a checkpoint save {calibration['save_s']:.2f} s")
     return calibration
 
 
 def plan(a, run: dict, folder: str, calibration: dict) -> int:
     """The steps of the budget. Another budget than the one a started training was planned for is
     refused: its steps and lr schedule are those of the first."""
-    steps = choose_steps(run["label"], 60 * a.minutes, Calibration.from_json(calibration), a.margin)
+    ckpt = run["cfg"].checkpoint
+    interval = ckpt.interval if ckpt.enable else 0
+    cal = Calibration.from_json(calibration)
+    steps = choose_steps(run["label"], 60 * a.minutes, cal, a.margin, interval)
     path = os.path.join(folder, "plan.json")
     old = _read_json(path)
-    new = {"budget_s": 60 * a.minutes, "margin": a.margin, "steps": steps, "calibration": calibration}
+    new = {"budget_s": 60 * a.minutes, "margin": a.margin, "steps": steps, "save_interval": interval,
+           "predicted_job_s": cal.job_s(steps, interval), "calibration": calibration}
     if old is not None and old != new and os.path.isdir(os.path.join(folder, "run")):
         raise CompareError(f"{run['label']}: {folder}/run was trained for {old['budget_s'] / 60:g} min with margin "
                            f"{old['margin']:g} ({old['steps']} steps), not {a.minutes:g} min with margin {a.margin:g}: "

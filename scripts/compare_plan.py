@@ -60,19 +60,29 @@ def read_run_metrics(tb_dir: str) -> RunMetrics:
 
 @dataclass
 class Calibration:
-    """A short job of the draft's real settings, timed from start to exit."""
+    """A short job of the draft's real settings, timed from start to exit. With checkpoints on it
+    saves once before its end (after step ``save_step``), so the step after it costs a save more."""
 
     steps: int
     warmup: int
     """Leading steps left out of the median (compile, autotuning, first allocations)."""
     wall_s: float
     median_step_s: float
+    save_step: int | None = None
+    save_s: float = 0.0
+    """What the periodic save cost the step after it (0 without checkpoints)."""
 
     @property
     def setup_s(self) -> float:
-        """Everything in the job that is not a warm step: start-up, target load, compile and
-        warm-up, the final checkpoint and the export."""
-        return max(0.0, self.wall_s - self.steps * self.median_step_s)
+        """Everything in the job that is not a warm step or the periodic save: start-up, target
+        load, compile and warm-up, the final checkpoint and the export."""
+        return max(0.0, self.wall_s - self.steps * self.median_step_s - self.save_s)
+
+    def job_s(self, steps: int, save_interval: int) -> float:
+        """The predicted wall clock of a job of ``steps`` steps that saves every ``save_interval``
+        (0: never; the save at the last step is part of the setup)."""
+        saves = (steps - 1) // save_interval if save_interval > 0 else 0
+        return self.setup_s + steps * self.median_step_s + saves * self.save_s
 
     def to_json(self) -> dict:
         return {**asdict(self), "setup_s": self.setup_s}
@@ -80,32 +90,49 @@ class Calibration:
     @classmethod
     def from_json(cls, record: dict) -> Calibration:
         return cls(steps=record["steps"], warmup=record["warmup"], wall_s=record["wall_s"],
-                   median_step_s=record["median_step_s"])
+                   median_step_s=record["median_step_s"], save_step=record.get("save_step"),
+                   save_s=record.get("save_s", 0.0))
 
 
-def build_calibration(metrics: RunMetrics, steps: int, warmup: int, wall_s: float) -> Calibration:
+def calibration_save_step(steps: int, warmup: int) -> int:
+    """Where the calibration job saves before its end: halfway through its warm steps."""
+    return warmup + (steps - warmup) // 2
+
+
+def build_calibration(metrics: RunMetrics, steps: int, warmup: int, wall_s: float,
+                      save_step: int | None = None) -> Calibration:
+    """The calibration of a job of ``steps`` steps, each logged; ``save_step``: the step after which
+    it saved a checkpoint (None: it saved only at its end)."""
     if max(metrics.step_times, default=0) < steps:
         raise BudgetError(f"the calibration job logged steps up to {max(metrics.step_times, default=0)}, "
                           f"not {steps}: it did not finish")
-    return Calibration(steps=steps, warmup=warmup, wall_s=wall_s,
-                       median_step_s=metrics.median_step_s(warmup))
+    after_save = None if save_step is None else save_step + 1
+    warm = RunMetrics({k: v for k, v in metrics.step_times.items() if k != after_save}, metrics.peaks)
+    median = warm.median_step_s(warmup)
+    save_s = 0.0 if after_save is None else max(0.0, metrics.step_times[after_save] - median)
+    return Calibration(steps=steps, warmup=warmup, wall_s=wall_s, median_step_s=median,
+                       save_step=save_step, save_s=save_s)
 
 
-def choose_steps(label: str, budget_s: float, calibration: Calibration, margin: float) -> int:
+def choose_steps(label: str, budget_s: float, calibration: Calibration, margin: float,
+                 save_interval: int = 0) -> int:
     """Training steps whose whole job (start to exit) fits ``budget_s`` less ``margin`` of it.
 
-    The steps cost the calibration's warm median each; its setup (:attr:`Calibration.setup_s`) is
-    paid once. A budget that leaves less than one step after the setup is refused in one line.
+    The steps cost the calibration's warm median each, a periodic save (every ``save_interval``
+    steps) what the calibration's cost, and the setup (:attr:`Calibration.setup_s`) is paid once.
+    A budget that leaves less than one step after the setup is refused in one line.
     """
     if budget_s <= 0:
         raise BudgetError(f"{label}: the budget must be > 0 minutes, got {budget_s / 60:g}")
     if not 0 <= margin < 1:
         raise BudgetError(f"{label}: the margin must be in [0, 1), got {margin:g}")
     step = calibration.median_step_s
-    left = budget_s * (1.0 - margin) - calibration.setup_s
     if step <= 0:
         raise BudgetError(f"{label}: the calibration measured a median step of {step * 1e3:.3f} ms")
-    steps = math.floor(left / step)
+    usable = budget_s * (1.0 - margin)
+    steps = math.floor((usable - calibration.setup_s) / step)
+    while steps >= 1 and calibration.job_s(steps, save_interval) > usable:
+        steps -= 1  # the periodic saves: at most one fewer step per save
     if steps < 1:
         need_min = math.ceil(100 * (calibration.setup_s + step) / (1.0 - margin) / 60) / 100  # rounded up
         raise BudgetError(

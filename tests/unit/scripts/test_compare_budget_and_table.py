@@ -40,6 +40,18 @@ def test_steps_fill_the_budget_and_no_more():
     assert choose_steps("d", 360, cal, 0.03) == 558  # (360 * 0.97 - 70) / 0.5 = 558.4
 
 
+def test_periodic_saves_are_paid_from_the_budget():
+    # the calibration saved once halfway, which cost 2 s on top of the step after it
+    cal = Calibration(steps=60, warmup=10, wall_s=102.0, median_step_s=0.5, save_step=35, save_s=2.0)
+    assert cal.setup_s == pytest.approx(102.0 - 60 * 0.5 - 2.0)
+    for interval in (1, 7, 50, 100, 10_000):
+        steps = choose_steps("d", 360, cal, 0.03, interval)
+        job = cal.setup_s + steps * 0.5 + ((steps - 1) // interval) * 2.0  # a save at every interval but the last step
+        assert job == pytest.approx(cal.job_s(steps, interval))
+        assert job <= 360 * 0.97 < cal.job_s(steps + 1, interval)
+    assert choose_steps("d", 360, cal, 0.03, 100) < choose_steps("d", 360, cal, 0.03, 0)
+
+
 def test_a_budget_smaller_than_the_setup_is_refused_in_one_line():
     cal = Calibration(steps=60, warmup=10, wall_s=100.0, median_step_s=0.5)
     with pytest.raises(BudgetError) as e:
@@ -58,6 +70,11 @@ def test_calibration_median_leaves_out_the_warmup_steps():
     assert cal.median_step_s == statistics.median([0.52, 0.48, 0.50, 2.0, 0.49])
     with pytest.raises(BudgetError, match="did not finish"):
         build_calibration(RunMetrics(step_times=times, peaks={}), steps=9, warmup=2, wall_s=50.0)
+    # saved after step 5: step 6 carries the save, which is not a step's time
+    cal = build_calibration(RunMetrics(step_times=times, peaks={}), steps=7, warmup=2, wall_s=50.0, save_step=5)
+    assert cal.median_step_s == statistics.median([0.52, 0.48, 0.50, 0.49])
+    assert cal.save_s == pytest.approx(2.0 - cal.median_step_s)
+    assert cal.setup_s == pytest.approx(50.0 - 7 * cal.median_step_s - cal.save_s)
 
 
 def _write_tb(dump: str, step_times: list[float], memory_steps: int = 0) -> None:
@@ -212,12 +229,15 @@ class FakeJobs:
         dump, steps = arg["--job.dump_folder"], int(arg["--training.steps"])
         kind = "calibration" if arg.get("--metrics.log_freq") == "1" else "train"
         self.calls.append((kind, cmd))
+        times = [9.0, 3.0] + [0.5] * (steps - 2)
+        if kind == "calibration":  # its save, after the step the comparison asked for, costs 2 s
+            times[int(arg["--checkpoint.interval"])] += 2.0
         os.makedirs(os.path.join(dump, "checkpoint", "step-1"), exist_ok=True)
         if kind == "train" and self.stop_training_once:
             self.stop_training_once = False
             _write_tb(dump, [9.0] + [0.5] * 9)
             return 0, 20.0  # stopped by a signal after a checkpoint: exit 0, no export
-        _write_tb(dump, [9.0, 3.0] + [0.5] * (steps - 2))
+        _write_tb(dump, times)
         os.makedirs(os.path.join(dump, "export"), exist_ok=True)
         Path(dump, "export", PROVENANCE_NAME).write_text(json.dumps({"step": steps}))
         return 0, (40.0 if kind == "calibration" else 35.0)
@@ -234,6 +254,8 @@ def test_finished_stages_are_skipped_and_a_stopped_training_resumes(tmp_path, mo
     assert _compare(tmp_path, job) == 1
     assert "stopped before step" in capsys.readouterr().err
     assert [k for k, _ in jobs.calls] == ["calibration", "train"]
+    calibration = jobs.calls[0][1]
+    assert calibration[calibration.index("--checkpoint.interval") + 1] == "4"  # 2 warm-up + 4 // 2
 
     jobs.calls.clear()
     assert _compare(tmp_path, job) == 0
@@ -241,7 +263,8 @@ def test_finished_stages_are_skipped_and_a_stopped_training_resumes(tmp_path, mo
     assert [k for k, _ in jobs.calls] == ["train", "eval", "eval"]
     folder = tmp_path / "out" / "debug_random"
     steps = json.loads((folder / "plan.json").read_text())["steps"]
-    assert steps == int((58.2 - (40.0 - 6 * 0.5)) / 0.5)  # a 40 s calibration of 6 steps of 0.5 s
+    # a 40 s calibration of 6 steps of 0.5 s and a 2 s save after step 4 (halfway through the warm steps)
+    assert steps == int((58.2 - (40.0 - 6 * 0.5 - 2.0)) / 0.5)
     assert jobs.calls[0][1][jobs.calls[0][1].index("--training.steps") + 1] == str(steps)
     row = json.loads((tmp_path / "out" / "table_recipes.json").read_text())["rows"][0]
     assert row["attempts"] == 2 and row["training_min"] == pytest.approx((20.0 + 35.0) / 60)
