@@ -174,6 +174,10 @@ def build_runs(a: argparse.Namespace, extra: list[str]) -> list[dict]:
                          "cfg": _resolve(argv + own_args("unused", 1))})
     if not runs:
         raise CompareError(f"no draft of {a.configs} takes part in the {a.view} view")
+    labels = [r["label"] for r in runs]
+    if len(set(labels)) < len(labels):
+        raise CompareError(f"--configs: two configs have the same file name ({labels}): each draft's folder is named "
+                           "after its config")
     for section, key in SHARED_KEYS:
         values = {r["label"]: getattr(getattr(r["cfg"], section), key) for r in runs}
         if len(set(map(str, values.values()))) > 1:
@@ -233,10 +237,19 @@ def _log(line: str) -> None:
             f.write(line + "\n")
 
 
+class Interrupted(CompareError):
+    """Ctrl-C during a job; ``wall_s``: how long the job ran."""
+
+    def __init__(self, wall_s: float):
+        super().__init__("interrupted: the running job stopped (a training job saves a checkpoint first); run the "
+                         "same command again to continue", status=130)
+        self.wall_s = wall_s
+
+
 def run_logged(cmd: list[str], log_path: str, env_extra: dict | None = None) -> tuple[int, float]:
     """Run ``cmd`` from the repository root, its output appended to ``log_path``; (exit status,
     wall seconds). Ctrl-C reaches the job too (same process group): it saves and exits, and this
-    waits for that instead of killing it mid-save."""
+    waits for that instead of killing it mid-save, then raises :class:`Interrupted`."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
            **(env_extra or {})}
     with open(log_path, "a") as log:
@@ -244,13 +257,17 @@ def run_logged(cmd: list[str], log_path: str, env_extra: dict | None = None) -> 
         log.flush()
         start = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait()
-        except KeyboardInterrupt:
-            proc.wait()
-            raise CompareError("interrupted: the running job stopped (a training job saves a checkpoint first); "
-                               "run the same command again to continue", status=130) from None
-    return rc, time.monotonic() - start
+        interrupted = False
+        while True:
+            try:
+                rc = proc.wait()
+                break
+            except KeyboardInterrupt:  # the job has the signal too (a second one: it stops at once)
+                interrupted = True
+    wall = time.monotonic() - start
+    if interrupted:
+        raise Interrupted(wall)
+    return rc, wall
 
 
 def _last_line(log_path: str) -> str:
@@ -357,7 +374,11 @@ def train(a, run: dict, folder: str, steps: int) -> None:
     _log(f"{run['label']}: training, {steps} steps" + (f", attempt {len(attempts) + 1}" if attempts else "")
          + f" (log {log})")
     cmd, env = train_command(a, run["argv"], dump, steps, [])
-    rc, wall = run_logged(cmd, log, env)
+    try:
+        rc, wall = run_logged(cmd, log, env)
+    except Interrupted as e:  # its time counts: the resumed job goes on from its checkpoint
+        _write_json(attempts_path, {"wall_s": [*attempts, e.wall_s]})
+        raise
     attempts.append(wall)
     _write_json(attempts_path, {"wall_s": attempts})
     if rc != 0:
@@ -422,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
                 "prompts": a.prompts if not a.num_prompts else f"{a.prompts} (first {a.num_prompts})",
                 "max_new_tokens": a.max_new_tokens, "temperatures": a.temperatures, "seed": a.seed,
                 "speed_dtype": a.speed_dtype, "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}",
-                "overrides": extra}
+                "overrides": extra, "command": shlex.join(["python", "scripts/compare_drafts.py", *(
+                    sys.argv[1:] if argv is None else argv)])}
         rows = []
         for run in runs:
             folder = os.path.join(out, run["label"])

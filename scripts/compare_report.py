@@ -93,6 +93,7 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
               f"setup and compile included), steps chosen from a {meta['calibration_steps']}-step calibration job; "
               f"then decoded on {meta['prompts']} ({meta['max_new_tokens']} new tokens) in fp32 at "
               f"T = {', '.join(temps)} (sampling seed {meta['seed']}). Date {meta['date']}."), "",
+             f"Command: `{meta.get('command', '')}`", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         evals = r["evals"]

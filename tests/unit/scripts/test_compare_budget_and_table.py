@@ -212,9 +212,10 @@ class FakeJobs:
     """Stands in for compare_drafts.run_logged: records each command and writes what the real job
     would. ``stop_training_once``: the first training attempt stops (SIGTERM) before its export."""
 
-    def __init__(self, stop_training_once: bool = False):
+    def __init__(self, stop_training_once: bool = False, interrupt_training_once: bool = False):
         self.calls: list[tuple[str, list[str]]] = []
         self.stop_training_once = stop_training_once
+        self.interrupt_training_once = interrupt_training_once
 
     def __call__(self, cmd, log_path, env_extra=None):
         with open(log_path, "a") as log:
@@ -233,6 +234,10 @@ class FakeJobs:
         if kind == "calibration":  # its save, after the step the comparison asked for, costs 2 s
             times[int(arg["--checkpoint.interval"])] += 2.0
         os.makedirs(os.path.join(dump, "checkpoint", "step-1"), exist_ok=True)
+        if kind == "train" and self.interrupt_training_once:
+            self.interrupt_training_once = False
+            _write_tb(dump, [9.0] + [0.5] * 4)
+            raise compare_drafts.Interrupted(12.0)  # Ctrl-C: the job saved and stopped after 12 s
         if kind == "train" and self.stop_training_once:
             self.stop_training_once = False
             _write_tb(dump, [9.0] + [0.5] * 9)
@@ -312,3 +317,22 @@ def test_a_budget_below_the_calibrated_setup_stops_before_training(tmp_path, mon
     status = compare_drafts.main(["--minutes", "1", "--configs", DEBUG, "--out", str(tmp_path / "out"), *job,
                                   "--calibration-steps", "6", "--calibration-warmup", "2"])
     assert status == 0 and [k for k, _ in jobs.calls] == ["calibration", "train", "eval", "eval"]
+
+
+def test_the_time_of_an_interrupted_training_counts(tmp_path, monkeypatch, capsys, job):
+    jobs = FakeJobs(interrupt_training_once=True)
+    monkeypatch.setattr(compare_drafts, "run_logged", jobs)
+    assert _compare(tmp_path, job) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert _compare(tmp_path, job) == 0
+    row = json.loads((tmp_path / "out" / "table_recipes.json").read_text())["rows"][0]
+    assert row["attempts"] == 2 and row["training_min"] == pytest.approx((12.0 + 35.0) / 60)
+    assert [k for k, _ in jobs.calls] == ["calibration", "train", "train", "eval", "eval"]
+
+
+def test_two_configs_of_one_name_are_refused(tmp_path, capsys, job):
+    twin = tmp_path / "twin" / "debug_random.toml"
+    twin.parent.mkdir()
+    twin.write_text(Path(DEBUG).read_text())
+    assert compare_drafts.main(["--minutes", "1", "--configs", f"{DEBUG},{twin}", "--out", str(tmp_path), *job]) == 2
+    assert "same file name" in capsys.readouterr().err
