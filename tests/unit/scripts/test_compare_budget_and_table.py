@@ -5,12 +5,14 @@ trainer's own metrics logger, and the export's provenance)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
 from scripts import compare_drafts
 from scripts.compare_plan import (BudgetError, Calibration, RunMetrics, build_calibration, choose_steps,
@@ -20,6 +22,7 @@ from titan_draft.checkpoint.export import PROVENANCE_NAME
 from titan_draft.components.metrics import MetricsLogger
 from titan_draft.config.job_config import Metrics
 from titan_draft.decoding.acceptance import EvalReport, PromptReport
+from titan_draft.protocols import get_model_spec
 from helpers import REPO
 
 DEBUG = os.path.join(REPO, "train_configs", "debug_random.toml")
@@ -168,10 +171,18 @@ def test_equal_draft_tokens_view_sets_the_block_sizes_of_equal_drafted_tokens(jo
                        ("debug_random.toml", "dspark_debug.toml", "eagle3_debug.toml"))
     a, extra = compare_drafts.parse_args(["--minutes", "1", "--configs", configs, "--view", "equal-draft-tokens", *job])
     runs = {r["label"]: r["cfg"] for r in compare_drafts.build_runs(a, extra)}
-    # DSpark's block of b slots drafts b tokens; DFlash2's drafts b - 1 (slot 0 is the anchor)
     assert {k: v.model.args["block_size"] for k, v in runs.items()} == {
         "debug_random-drafted7": 8, "debug_random-drafted15": 16,
         "dspark_debug-drafted7": 7, "dspark_debug-drafted15": 15}
+    # each block size drafts the view's tokens per round, as the draft's own proposer counts them
+    for label, cfg in runs.items():
+        spec = get_model_spec(cfg.model.name)
+        args = dataclasses.replace(spec.flavors[cfg.model.flavor], **cfg.model.args, vocab_size=256,
+                                   target_layer_ids=[1], num_target_layers=2)
+        with torch.device("cpu"):
+            draft = spec.model_cls(args)
+        draft.load_frozen_tables(torch.randn(256, args.hidden_size), torch.randn(256, args.hidden_size))
+        assert spec.build_proposer_fn(draft.eval()).num_draft_tokens == int(label.rsplit("drafted", 1)[1]), label
 
 
 @pytest.mark.parametrize("extra, expect", [
