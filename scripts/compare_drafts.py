@@ -277,10 +277,15 @@ def _last_line(log_path: str) -> str:
 
 
 def train_command(a, argv: list[str], dump: str, steps: int, extra: list[str]) -> tuple[list[str], dict]:
+    """The job's command and environment. Each job compiles into a cache of its own (``<dump>.compile``):
+    with a shared one the real job would find the calibration's kernels, start warm and end
+    early by the compile time the plan paid for it."""
     job = [*argv, *own_args(dump, steps), *extra]
+    cache = dump + ".compile"
+    env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"), "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
     if a.launcher == "python":
-        return [sys.executable, "-m", "titan_draft.train", *job], {}
-    return [os.path.join(REPO, "run_train.sh"), *job], {"NGPU": os.environ.get("NGPU", "1")}
+        return [sys.executable, "-m", "titan_draft.train", *job], env
+    return [os.path.join(REPO, "run_train.sh"), *job], {**env, "NGPU": os.environ.get("NGPU", "1")}
 
 
 def _read_json(path: str) -> dict | None:
@@ -319,7 +324,8 @@ def calibrate(a, run: dict, folder: str) -> dict:
         _log(f"{run['label']}: calibration already done ({path})")
         return done
     dump = os.path.join(folder, "calibration")
-    shutil.rmtree(dump, ignore_errors=True)  # always a fresh job: a resumed one would time differently
+    for old in (dump, dump + ".compile"):  # always a fresh job: a resumed or warm one would time differently
+        shutil.rmtree(old, ignore_errors=True)
     log = os.path.join(folder, "calibration.log")
     _log(f"{run['label']}: calibration, {a.calibration_steps} steps (log {log})")
     save_step = calibration_save_step(a.calibration_steps, a.calibration_warmup) if run["cfg"].checkpoint.enable else None

@@ -225,6 +225,7 @@ class FakeJobs:
 
     def __init__(self, stop_training_once: bool = False, interrupt_training_once: bool = False):
         self.calls: list[tuple[str, list[str]]] = []
+        self.caches: list[tuple[str, str, bool]] = []  # (job, its compile cache, whether it existed before)
         self.stop_training_once = stop_training_once
         self.interrupt_training_once = interrupt_training_once
 
@@ -241,6 +242,8 @@ class FakeJobs:
         dump, steps = arg["--job.dump_folder"], int(arg["--training.steps"])
         kind = "calibration" if arg.get("--metrics.log_freq") == "1" else "train"
         self.calls.append((kind, cmd))
+        self.caches.append((kind, env_extra["TORCHINDUCTOR_CACHE_DIR"], os.path.exists(env_extra["TORCHINDUCTOR_CACHE_DIR"])))
+        os.makedirs(env_extra["TORCHINDUCTOR_CACHE_DIR"], exist_ok=True)  # the job compiles into it
         times = [9.0, 3.0] + [0.5] * (steps - 2)
         if kind == "calibration":  # its save, after the step the comparison asked for, costs 2 s
             times[int(arg["--checkpoint.interval"])] += 2.0
@@ -272,6 +275,9 @@ def test_finished_stages_are_skipped_and_a_stopped_training_resumes(tmp_path, mo
     assert [k for k, _ in jobs.calls] == ["calibration", "train"]
     calibration = jobs.calls[0][1]
     assert calibration[calibration.index("--checkpoint.interval") + 1] == "4"  # 2 warm-up + 4 // 2
+    # each job compiles from an empty cache of its own, as the plan assumed
+    (_, cal_cache, cal_warm), (_, run_cache, run_warm) = jobs.caches
+    assert cal_cache != run_cache and not cal_warm and not run_warm
 
     jobs.calls.clear()
     assert _compare(tmp_path, job) == 0
