@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts import compare_drafts
+from scripts import compare_drafts, compare_runs
 from scripts.compare_plan import (BudgetError, Calibration, RunMetrics, build_calibration, choose_steps,
                                   read_run_metrics)
 from scripts.compare_report import build_row, eval_report_name, render_markdown
@@ -170,7 +170,7 @@ def test_equal_draft_tokens_view_sets_the_block_sizes_of_equal_drafted_tokens(jo
     configs = ",".join(os.path.join(REPO, "train_configs", n) for n in
                        ("debug_random.toml", "dspark_debug.toml", "eagle3_debug.toml"))
     a, extra = compare_drafts.parse_args(["--minutes", "1", "--configs", configs, "--view", "equal-draft-tokens", *job])
-    runs = {r["label"]: r["cfg"] for r in compare_drafts.build_runs(a, extra)}
+    runs = {r["label"]: r["cfg"] for r in compare_runs.build_runs(a, extra, print)}
     assert {k: v.model.args["block_size"] for k, v in runs.items()} == {
         "debug_random-drafted7": 8, "debug_random-drafted15": 16,
         "dspark_debug-drafted7": 7, "dspark_debug-drafted15": 15}
