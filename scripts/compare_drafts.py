@@ -174,17 +174,13 @@ def _write_json(path: str, value: dict) -> None:
     os.replace(tmp, path)  # a stage's record is whole or absent
 
 
-def check_settings(path: str, settings: dict, what: str) -> bool:
-    """Record ``settings`` at ``path``; False when another record is there (differences named)."""
+def changed_settings(path: str, settings: dict) -> list[str]:
+    """The keys in which ``settings`` differ from those recorded at ``path`` (recorded if none are)."""
     old = _read_json(path)
     if old is None:
         _write_json(path, settings)
-        return True
-    if old == settings:
-        return True
-    changed = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
-    _log(f"{what}: settings changed since {path} was written: {', '.join(changed)}")
-    return False
+        return []
+    return sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
 
 
 # ---- the stages of one draft ----
@@ -230,7 +226,7 @@ def plan(a, run: dict, folder: str, calibration: dict) -> int:
     new = {"budget_s": 60 * a.minutes, "margin": a.margin, "steps": steps, "save_interval": interval,
            "predicted_job_s": cal.job_s(steps, interval), "calibration": calibration}
     if old is not None and old != new and os.path.isdir(os.path.join(folder, "run")):
-        raise CompareError(f"{run['label']}: {folder}/run was trained for {old['budget_s'] / 60:g} min with margin "
+        raise CompareError(f"{run['label']}: {folder}/run was started for {old['budget_s'] / 60:g} min with margin "
                            f"{old['margin']:g} ({old['steps']} steps), not {a.minutes:g} min with margin {a.margin:g}: "
                            f"give another --out, or delete {folder}/run and {folder}/train.json to train again")
     _write_json(path, new)
@@ -280,11 +276,12 @@ def train(a, run: dict, folder: str, steps: int) -> None:
 def evaluate(a, run: dict, folder: str) -> None:
     settings = {"target": run["cfg"].target.path, "prompts": a.prompts, "num_prompts": a.num_prompts,
                 "max_new_tokens": a.max_new_tokens, "seed": a.seed, "device": a.device}
-    if not check_settings(os.path.join(folder, "eval_settings.json"), settings, run["label"]):
+    changed = changed_settings(os.path.join(folder, "eval_settings.json"), settings)
+    if changed:
         for name in os.listdir(folder):
             if name.startswith("eval_t") and name.endswith(".json"):
                 os.remove(os.path.join(folder, name))
-        _log(f"{run['label']}: its eval reports were made with other settings: evaluating again")
+        _log(f"{run['label']}: its eval reports were made with another {', '.join(changed)}: evaluating again")
         _write_json(os.path.join(folder, "eval_settings.json"), settings)
     wanted = [(t, "float32") for t in a.temperatures]
     speed = speed_source(a.temperatures, a.speed_dtype)
@@ -329,9 +326,10 @@ def main(argv: list[str] | None = None) -> int:
             os.makedirs(folder, exist_ok=True)
             settings = {"argv": run["argv"], "launcher": a.launcher, "calibration_steps": a.calibration_steps,
                         "calibration_warmup": a.calibration_warmup}
-            if not check_settings(os.path.join(folder, "settings.json"), settings, run["label"]):
-                raise CompareError(f"{folder} holds a comparison made with other settings (above): give another "
-                                   "--out, or delete that folder to start it again")
+            changed = changed_settings(os.path.join(folder, "settings.json"), settings)
+            if changed:
+                raise CompareError(f"{folder} holds a comparison made with another {', '.join(changed)}: give "
+                                   "another --out, or delete that folder to start it again")
             calibration = calibrate(a, run, folder)
             steps = plan(a, run, folder, calibration)
             train(a, run, folder, steps)

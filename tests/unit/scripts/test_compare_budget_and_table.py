@@ -305,10 +305,11 @@ def test_finished_stages_are_skipped_and_a_stopped_training_resumes(tmp_path, mo
     jobs.calls.clear()
     assert _compare(tmp_path, job, "--margin", "0.1") == 2  # another budget: refused, nothing run or lost
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "was trained for 1 min with margin 0.03" in err and jobs.calls == []
+    assert "\n" not in err and "was started for 1 min with margin 0.03" in err and jobs.calls == []
     assert json.loads((folder / "train.json").read_text())["steps"] == steps
     assert _compare(tmp_path, job, "--calibration-steps", "8") == 2  # another calibration: refused too
-    assert "other settings" in capsys.readouterr().err and jobs.calls == []
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "made with another calibration_steps" in err and jobs.calls == []
 
 
 def test_new_eval_settings_redo_the_evals_only(tmp_path, monkeypatch, job):
