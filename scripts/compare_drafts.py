@@ -245,21 +245,24 @@ def train(a, run: dict, folder: str, steps: int) -> None:
     if not os.path.isdir(os.path.join(dump, run["cfg"].checkpoint.folder)):
         attempts = []  # nothing to resume from: this job starts over, and so does its wall clock
     log = os.path.join(folder, "train.log")
-    _log(f"{run['label']}: training, {steps} steps" + (f", attempt {len(attempts) + 1}" if attempts else "")
-         + f" (log {log})")
-    cmd, env = train_command(a, run["argv"], dump, steps, [])
-    try:
-        rc, wall = run_logged(cmd, log, env)
-    except Interrupted as e:  # its time counts: the resumed job goes on from its checkpoint
-        _write_json(attempts_path, {"wall_s": [*attempts, e.wall_s]})
-        raise
-    attempts.append(wall)
-    _write_json(attempts_path, {"wall_s": attempts})
-    if rc != 0:
-        raise CompareError(f"{run['label']}: the training job failed (exit {rc}; {log}): {_last_line(log)}", 1)
-    if exported_step(export) != steps:
-        raise CompareError(f"{run['label']}: the training job stopped before step {steps} ({log}: "
-                           f"{_last_line(log)}); run the same command again to resume", 1)
+    if exported_step(export) == steps and attempts:
+        _log(f"{run['label']}: the training job had finished ({export}); reading its record")
+    else:
+        _log(f"{run['label']}: training, {steps} steps" + (f", attempt {len(attempts) + 1}" if attempts else "")
+             + f" (log {log})")
+        cmd, env = train_command(a, run["argv"], dump, steps, [])
+        try:
+            rc, wall = run_logged(cmd, log, env)
+        except Interrupted as e:  # its time counts: the resumed job goes on from its checkpoint
+            _write_json(attempts_path, {"wall_s": [*attempts, e.wall_s]})
+            raise
+        attempts.append(wall)
+        _write_json(attempts_path, {"wall_s": attempts})
+        if rc != 0:
+            raise CompareError(f"{run['label']}: the training job failed (exit {rc}; {log}): {_last_line(log)}", 1)
+        if exported_step(export) != steps:
+            raise CompareError(f"{run['label']}: the training job stopped before step {steps} ({log}: "
+                               f"{_last_line(log)}); run the same command again to resume", 1)
     try:
         metrics = read_run_metrics(os.path.join(dump, run["cfg"].metrics.save_tb_folder, "run"))
         summary = summarize_run(metrics, steps, sum(attempts), len(attempts))

@@ -291,6 +291,12 @@ def test_finished_stages_are_skipped_and_a_stopped_training_resumes(tmp_path, mo
     row = json.loads((tmp_path / "out" / "table_recipes.json").read_text())["rows"][0]
     assert row["attempts"] == 2 and row["training_min"] == pytest.approx((20.0 + 35.0) / 60)
 
+    # a record lost after the job finished: read again from the job's files, not trained again
+    (folder / "train.json").unlink()
+    jobs.calls.clear()
+    assert _compare(tmp_path, job) == 0 and [k for k, _ in jobs.calls] == ["eval", "eval"]
+    assert json.loads((folder / "train.json").read_text())["wall_s"] == pytest.approx(55.0)
+
     jobs.calls.clear()
     table = (tmp_path / "out" / "table_recipes.md").read_text()
     assert _compare(tmp_path, job) == 0 and jobs.calls == []  # everything done: nothing runs
