@@ -304,8 +304,9 @@ def test_finished_stages_are_skipped_and_a_stopped_training_resumes(tmp_path, mo
 
     (folder / eval_report_name(1.0, "float32")).unlink()
     assert _compare(tmp_path, job) == 0
-    assert [k for k, _ in jobs.calls] == ["eval"] and "--temperature" in jobs.calls[0][1]
-    assert jobs.calls[0][1][jobs.calls[0][1].index("--temperature") + 1] == "1"
+    ((_, cmd),) = jobs.calls
+    assert cmd[cmd.index("--temperature") + 1] == "1" and cmd[cmd.index("--seed") + 1] == "0"
+    assert "--no-lossless-check" in cmd  # sampling: nothing to check token for token
 
     capsys.readouterr()
     jobs.calls.clear()
@@ -326,6 +327,14 @@ def test_new_eval_settings_redo_the_evals_only(tmp_path, monkeypatch, job):
     assert _compare(tmp_path, job, "--max-new-tokens", "64") == 0
     assert [k for k, _ in jobs.calls] == ["eval", "eval"]
     assert all(c[c.index("--max-new-tokens") + 1] == "64" for _, c in jobs.calls)
+
+    jobs.calls.clear()  # the speed run adds its eval alone: greedy in bf16, with the plain decode it times
+    assert _compare(tmp_path, job, "--max-new-tokens", "64", "--speed-dtype", "bfloat16") == 0
+    ((kind, cmd),) = jobs.calls
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and cmd[cmd.index("--temperature") + 1] == "0"
+    assert "--no-lossless-check" not in cmd
+    row = json.loads((tmp_path / "out" / "table_recipes.json").read_text())["rows"][0]
+    assert row["speed"]["dtype"] == "bfloat16"
 
 
 def test_a_budget_below_the_calibrated_setup_stops_before_training(tmp_path, monkeypatch, capsys, job):
