@@ -38,7 +38,11 @@ def build_row(folder: str, label: str, info: dict, temperatures: list[float], sp
     """One draft's row from its folder: ``info`` says what it is (draft, config, overrides, budget);
     missing files leave their cells None."""
     train = _load(os.path.join(folder, "train.json")) or {}
+    plan = _load(os.path.join(folder, "plan.json")) or {}
+    cal = plan.get("calibration", {})
     row = {"label": label, **info,
+           "plan": {"predicted_job_min": plan["predicted_job_s"] / 60, "calibration_median_step_ms":
+                    1e3 * cal["median_step_s"], "setup_s": cal["setup_s"], "save_s": cal["save_s"]} if plan else None,
            "training_min": train["wall_s"] / 60 if "wall_s" in train else None,
            "steps": train.get("steps"), "median_step_ms": train.get("median_step_ms"),
            "peaks_gib": train.get("peaks_gib"), "attempts": train.get("attempts"), "evals": {}}

@@ -290,6 +290,8 @@ def test_finished_stages_are_skipped_and_a_stopped_training_resumes(tmp_path, mo
     assert jobs.calls[0][1][jobs.calls[0][1].index("--training.steps") + 1] == str(steps)
     row = json.loads((tmp_path / "out" / "table_recipes.json").read_text())["rows"][0]
     assert row["attempts"] == 2 and row["training_min"] == pytest.approx((20.0 + 35.0) / 60)
+    assert row["plan"]["predicted_job_min"] == pytest.approx((35.0 + steps * 0.5) / 60)  # no save before the last
+    assert row["plan"]["save_s"] == pytest.approx(2.0) and row["plan"]["calibration_median_step_ms"] == 500
 
     # a record lost after the job finished: read again from the job's files, not trained again
     (folder / "train.json").unlink()
