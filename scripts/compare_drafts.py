@@ -1,0 +1,352 @@
+"""Compare drafts fairly: the same wall-clock budget per training job, the same data and prompts.
+
+    python scripts/compare_drafts.py --minutes 6 --speed-dtype bfloat16
+    python scripts/compare_drafts.py --minutes 6 --view equal-draft-tokens
+
+For each draft (a recipe TOML; default the three SmolLM2 recipes):
+
+1. calibration: the draft's own job for ``--calibration-steps`` steps, timed from start to exit;
+   its median warm step and what the job spent besides its steps (start-up, target load, compile,
+   warm-up, the last checkpoint, the export) are recorded;
+2. plan: the training steps whose whole job fits ``--minutes`` (less ``--margin`` of it); the
+   recipe's lr schedule (warm-up ratio, cosine) then spans those steps;
+3. training: the real job, timed from start to exit; its steps, median logged step, peak memory;
+4. eval: ``python -m titan_draft.eval`` on the export, fp32, at every ``--temperatures`` value (T = 0
+   greedy with the token-for-token lossless check, T > 0 speculative sampling with a fixed seed),
+   and with ``--speed-dtype`` greedy in that dtype for speculative against plain tokens/s.
+
+The table goes to ``<out>/table_<view>.md`` and ``.json``. Every stage writes its result to
+``<out>/<draft>/``; run the same command again after an interruption and finished stages are
+skipped, an interrupted training resumes from its last checkpoint. In-training evals are off in
+every job (the budget is for training; the eval above measures every draft the same way).
+Arguments the script does not know are job-config overrides for every draft
+(``--data.packing true``). docs/compare.md has more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # runnable from a checkout without an install
+    sys.path.insert(0, REPO)
+
+from scripts.compare_plan import (
+    BudgetError,
+    Calibration,
+    build_calibration,
+    calibration_save_step,
+    choose_steps,
+    read_run_metrics,
+    summarize_run,
+)
+from scripts.compare_report import (
+    build_row,
+    eval_report_name,
+    speed_source,
+    write_table,
+)
+from scripts.compare_runs import DEFAULT_CONFIGS, CompareError, build_runs, own_args
+from titan_draft.checkpoint.export import exported_step
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="python scripts/compare_drafts.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated recipe TOMLs, one per draft")
+    p.add_argument("--minutes", type=float, required=True, help="wall-clock budget of each training job")
+    p.add_argument("--margin", type=float, default=0.03, help="share of the budget kept free (a slower step, a save)")
+    p.add_argument("--target", default=None, help="target HF folder for every draft (default: the configs' target.path)")
+    p.add_argument("--data", default=None, help="data.source for every draft (default: the configs')")
+    p.add_argument("--prompts", default="mtbench", help="eval prompts, as titan_draft.eval reads them")
+    p.add_argument("--num-prompts", type=int, default=0, help="per prompt source (0: all; MT-Bench has 80)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperatures", default="0,1", help="comma-separated eval temperatures (fp32)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the T > 0 evals")
+    p.add_argument("--speed-dtype", default=None, choices=["bfloat16"],
+                   help="also decode greedily in this dtype for speculative against plain tokens/s")
+    p.add_argument("--device", default="auto", help="eval device: auto, cpu, cuda")
+    p.add_argument("--view", default="recipes", choices=["recipes", "equal-draft-tokens"],
+                   help="recipes: each config as it is; equal-draft-tokens: DSpark and DFlash2 at equal "
+                        "drafted tokens per round (--drafted)")
+    p.add_argument("--drafted", default="7,15", help="drafted tokens per round of the equal-draft-tokens view")
+    p.add_argument("--calibration-steps", type=int, default=60)
+    p.add_argument("--calibration-warmup", type=int, default=10, help="leading calibration steps left out of the median")
+    p.add_argument("--launcher", default="run_train", choices=["run_train", "python"],
+                   help="run_train: ./run_train.sh (torchrun, NGPU=1 unless set); python: python -m titan_draft.train")
+    p.add_argument("--out", default="outputs/compare_drafts")
+    a, extra = p.parse_known_args(argv)
+    if a.calibration_warmup < 0 or a.calibration_steps <= a.calibration_warmup:
+        raise CompareError(f"--calibration-steps ({a.calibration_steps}) must exceed --calibration-warmup "
+                           f"({a.calibration_warmup}) >= 0")
+    try:
+        a.temperatures = [float(t) for t in a.temperatures.split(",")]
+        a.drafted = [int(n) for n in a.drafted.split(",")]
+    except ValueError as e:
+        raise CompareError(f"--temperatures / --drafted: {e}") from None
+    if any(t < 0 for t in a.temperatures) or any(n < 1 for n in a.drafted):
+        raise CompareError("--temperatures must be >= 0 and --drafted >= 1")
+    return a, extra
+
+
+# ---- running and logging ----
+
+LOG_PATH: list[str] = []  # <out>/compare.log once the out folder is known
+
+
+def _log(line: str) -> None:
+    line = f"[{datetime.datetime.now():%H:%M:%S}] {line}"
+    print(line, flush=True)
+    if LOG_PATH:
+        with open(LOG_PATH[0], "a") as f:
+            f.write(line + "\n")
+
+
+class Interrupted(CompareError):
+    """Ctrl-C during a job; ``wall_s``: how long the job ran."""
+
+    def __init__(self, wall_s: float):
+        super().__init__("interrupted: the running job stopped (a training job saves a checkpoint first); run the "
+                         "same command again to continue", status=130)
+        self.wall_s = wall_s
+
+
+def run_logged(cmd: list[str], log_path: str, env_extra: dict | None = None) -> tuple[int, float]:
+    """Run ``cmd`` from the repository root, its output appended to ``log_path``; (exit status,
+    wall seconds). Ctrl-C reaches the job too (same process group): it saves and exits, and this
+    waits for that instead of killing it mid-save, then raises :class:`Interrupted`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+           **(env_extra or {})}
+    with open(log_path, "a") as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        interrupted = False
+        while True:
+            try:
+                rc = proc.wait()
+                break
+            except KeyboardInterrupt:  # the job has the signal too (a second one: it stops at once)
+                interrupted = True
+    wall = time.monotonic() - start
+    if interrupted:
+        raise Interrupted(wall)
+    return rc, wall
+
+
+def _last_line(log_path: str) -> str:
+    with open(log_path, errors="replace") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def train_command(a, argv: list[str], dump: str, steps: int, extra: list[str]) -> tuple[list[str], dict]:
+    """The job's command and environment. Each job compiles into a cache of its own (``<dump>.compile``):
+    with a shared one the real job would find the calibration's kernels, start warm and end
+    early by the compile time the plan paid for it."""
+    job = [*argv, *own_args(dump, steps), *extra]
+    cache = dump + ".compile"
+    env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"), "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+    if a.launcher == "python":
+        return [sys.executable, "-m", "titan_draft.train", *job], env
+    return [os.path.join(REPO, "run_train.sh"), *job], {**env, "NGPU": os.environ.get("NGPU", "1")}
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write_json(path: str, value: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=2)
+    os.replace(tmp, path)  # a stage's record is whole or absent
+
+
+def changed_settings(path: str, settings: dict) -> list[str]:
+    """The keys in which ``settings`` differ from those recorded at ``path`` (recorded if none are)."""
+    old = _read_json(path)
+    if old is None:
+        _write_json(path, settings)
+        return []
+    return sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+
+
+# ---- the stages of one draft ----
+
+
+def calibrate(a, run: dict, folder: str) -> dict:
+    path = os.path.join(folder, "calibration.json")
+    if (done := _read_json(path)) is not None:
+        _log(f"{run['label']}: calibration already done ({path})")
+        return done
+    dump = os.path.join(folder, "calibration")
+    for old in (dump, dump + ".compile"):  # always a fresh job: a resumed or warm one would time differently
+        shutil.rmtree(old, ignore_errors=True)
+    log = os.path.join(folder, "calibration.log")
+    _log(f"{run['label']}: calibration, {a.calibration_steps} steps (log {log})")
+    save_step = calibration_save_step(a.calibration_steps, a.calibration_warmup) if run["cfg"].checkpoint.enable else None
+    extra = ["--metrics.log_freq", "1"] + ([] if save_step is None else ["--checkpoint.interval", str(save_step)])
+    cmd, env = train_command(a, run["argv"], dump, a.calibration_steps, extra)
+    rc, wall = run_logged(cmd, log, env)
+    if rc != 0 or exported_step(os.path.join(dump, run["cfg"].checkpoint.export_folder)) != a.calibration_steps:
+        raise CompareError(f"{run['label']}: the calibration job failed (exit {rc}; {log}): {_last_line(log)}", 1)
+    try:
+        metrics = read_run_metrics(os.path.join(dump, run["cfg"].metrics.save_tb_folder, "run"))
+        calibration = build_calibration(metrics, a.calibration_steps, a.calibration_warmup, wall,
+                                        save_step).to_json()
+    except BudgetError as e:
+        raise CompareError(f"{run['label']}: calibration: {e}", 1) from None
+    _write_json(path, calibration)
+    _log(f"{run['label']}: calibration {wall:.1f} s, median step {1e3 * calibration['median_step_s']:.1f} ms, "
+         f"setup {calibration['setup_s']:.1f} s, a checkpoint save {calibration['save_s']:.2f} s")
+    return calibration
+
+
+def plan(a, run: dict, folder: str, calibration: dict) -> int:
+    """The steps of the budget. Another budget than the one a started training was planned for is
+    refused: its steps and lr schedule are those of the first."""
+    ckpt = run["cfg"].checkpoint
+    interval = ckpt.interval if ckpt.enable else 0
+    cal = Calibration.from_json(calibration)
+    steps = choose_steps(run["label"], 60 * a.minutes, cal, a.margin, interval)
+    path = os.path.join(folder, "plan.json")
+    old = _read_json(path)
+    new = {"budget_s": 60 * a.minutes, "margin": a.margin, "steps": steps, "save_interval": interval,
+           "predicted_job_s": cal.job_s(steps, interval), "calibration": calibration}
+    if old is not None and old != new and os.path.isdir(os.path.join(folder, "run")):
+        raise CompareError(f"{run['label']}: {folder}/run was started for {old['budget_s'] / 60:g} min with margin "
+                           f"{old['margin']:g} ({old['steps']} steps), not {a.minutes:g} min with margin {a.margin:g}: "
+                           f"give another --out, or delete {folder}/run and {folder}/train.json to train again")
+    _write_json(path, new)
+    return steps
+
+
+def train(a, run: dict, folder: str, steps: int) -> None:
+    dump = os.path.join(folder, "run")
+    export = os.path.join(dump, run["cfg"].checkpoint.export_folder)
+    record = os.path.join(folder, "train.json")
+    if _read_json(record) is not None and exported_step(export) == steps:
+        _log(f"{run['label']}: training already done ({record})")
+        return
+    attempts_path = os.path.join(folder, "train_attempts.json")
+    attempts = (_read_json(attempts_path) or {}).get("wall_s", [])
+    if not os.path.isdir(os.path.join(dump, run["cfg"].checkpoint.folder)):
+        attempts = []  # nothing to resume from: this job starts over, and so does its wall clock
+    log = os.path.join(folder, "train.log")
+    if exported_step(export) == steps and attempts:
+        _log(f"{run['label']}: the training job had finished ({export}); reading its record")
+    else:
+        _log(f"{run['label']}: training, {steps} steps" + (f", attempt {len(attempts) + 1}" if attempts else "")
+             + f" (log {log})")
+        cmd, env = train_command(a, run["argv"], dump, steps, [])
+        try:
+            rc, wall = run_logged(cmd, log, env)
+        except Interrupted as e:  # its time counts: the resumed job goes on from its checkpoint
+            _write_json(attempts_path, {"wall_s": [*attempts, e.wall_s]})
+            raise
+        attempts.append(wall)
+        _write_json(attempts_path, {"wall_s": attempts})
+        if rc != 0:
+            raise CompareError(f"{run['label']}: the training job failed (exit {rc}; {log}): {_last_line(log)}", 1)
+        if exported_step(export) != steps:
+            raise CompareError(f"{run['label']}: the training job stopped before step {steps} ({log}: "
+                               f"{_last_line(log)}); run the same command again to resume", 1)
+    try:
+        metrics = read_run_metrics(os.path.join(dump, run["cfg"].metrics.save_tb_folder, "run"))
+        summary = summarize_run(metrics, steps, sum(attempts), len(attempts))
+    except BudgetError as e:
+        raise CompareError(f"{run['label']}: training: {e}", 1) from None
+    for name in os.listdir(folder):  # a new training makes the reports of an earlier one stale
+        if name.startswith("eval_t") and name.endswith(".json"):
+            os.remove(os.path.join(folder, name))
+    _write_json(record, summary)
+    _log(f"{run['label']}: trained {steps} steps in {summary['wall_s'] / 60:.2f} min "
+         f"(budget {a.minutes:g}), median step {summary['median_step_ms']:.1f} ms")
+
+
+def evaluate(a, run: dict, folder: str) -> None:
+    settings = {"target": run["cfg"].target.path, "prompts": a.prompts, "num_prompts": a.num_prompts,
+                "max_new_tokens": a.max_new_tokens, "seed": a.seed, "device": a.device}
+    changed = changed_settings(os.path.join(folder, "eval_settings.json"), settings)
+    if changed:
+        for name in os.listdir(folder):
+            if name.startswith("eval_t") and name.endswith(".json"):
+                os.remove(os.path.join(folder, name))
+        _log(f"{run['label']}: its eval reports were made with another {', '.join(changed)}: evaluating again")
+        _write_json(os.path.join(folder, "eval_settings.json"), settings)
+    wanted = [(t, "float32") for t in a.temperatures]
+    speed = speed_source(a.temperatures, a.speed_dtype)
+    if speed is not None and speed not in wanted:
+        wanted.append(speed)
+    export = os.path.join(folder, "run", run["cfg"].checkpoint.export_folder)
+    for temperature, dtype in wanted:
+        out = os.path.join(folder, eval_report_name(temperature, dtype))
+        if os.path.isfile(out):
+            _log(f"{run['label']}: eval T={temperature:g} {dtype} already done ({out})")
+            continue
+        log = os.path.join(folder, "eval.log")
+        _log(f"{run['label']}: eval T={temperature:g} {dtype} (log {log})")
+        cmd = [sys.executable, "-m", "titan_draft.eval", "--target", settings["target"], "--draft", export,
+               "--prompts", a.prompts, "--num-prompts", str(a.num_prompts), "--max-new-tokens",
+               str(a.max_new_tokens), "--dtype", dtype, "--temperature", f"{temperature:g}", "--seed",
+               str(a.seed), "--device", a.device, "--out", out]
+        if temperature > 0:  # sampling: the plain decode checks nothing token for token
+            cmd.append("--no-lossless-check")
+        rc, _ = run_logged(cmd, log)
+        if rc != 0 or not os.path.isfile(out):
+            raise CompareError(f"{run['label']}: the eval failed (exit {rc}; {log}): {_last_line(log)}", 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        a, extra = parse_args(sys.argv[1:] if argv is None else argv)
+        out = os.path.abspath(a.out)
+        os.makedirs(out, exist_ok=True)
+        LOG_PATH[:] = [os.path.join(out, "compare.log")]
+        _log(f"compare: {shlex.join(sys.argv if argv is None else ['compare_drafts.py', *argv])}")
+        runs = build_runs(a, extra, _log)
+        meta = {"view": a.view, "minutes": a.minutes, "margin": a.margin, "calibration_steps": a.calibration_steps,
+                "prompts": a.prompts if not a.num_prompts else f"{a.prompts} (first {a.num_prompts})",
+                "max_new_tokens": a.max_new_tokens, "temperatures": a.temperatures, "seed": a.seed,
+                "speed_dtype": a.speed_dtype, "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}",
+                "overrides": extra, "command": shlex.join(["python", "scripts/compare_drafts.py", *(
+                    sys.argv[1:] if argv is None else argv)])}
+        rows = []
+        for run in runs:
+            folder = os.path.join(out, run["label"])
+            os.makedirs(folder, exist_ok=True)
+            settings = {"argv": run["argv"], "launcher": a.launcher, "calibration_steps": a.calibration_steps,
+                        "calibration_warmup": a.calibration_warmup}
+            changed = changed_settings(os.path.join(folder, "settings.json"), settings)
+            if changed:
+                raise CompareError(f"{folder} holds a comparison made with another {', '.join(changed)}: give "
+                                   "another --out, or delete that folder to start it again")
+            calibration = calibrate(a, run, folder)
+            steps = plan(a, run, folder, calibration)
+            train(a, run, folder, steps)
+            evaluate(a, run, folder)
+            info = {"draft": run["cfg"].model.name, "config": os.path.relpath(run["config"], REPO),
+                    "view_overrides": run["view_args"], "budget_min": a.minutes}
+            rows.append(build_row(folder, run["label"], info, a.temperatures, a.speed_dtype))
+            md, js = write_table(out, rows, meta)
+        _log(f"compare: done. Table: {md} ({js})")
+        return 0
+    except (CompareError, BudgetError) as e:
+        print(f"compare_drafts: error: {e}", file=sys.stderr)
+        return getattr(e, "status", 2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

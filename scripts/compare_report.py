@@ -1,0 +1,130 @@
+"""The comparison table of scripts/compare_drafts.py, built from the files its stages wrote.
+
+Each row is read from one draft's folder: its training record (``train.json``: steps, wall clock,
+median step, memory peaks) and its eval reports (``eval_t<T>_<dtype>.json``, written by
+``python -m titan_draft.eval --out``). Nothing is carried in memory from the runs, so a table
+rebuilt after an interruption is the table of the files on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+POSITIONS_SHOWN = 8
+
+
+def eval_report_name(temperature: float, dtype: str) -> str:
+    return f"eval_t{temperature:g}_{dtype}.json"
+
+
+def _load(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def speed_source(temperatures: list[float], speed_dtype: str | None) -> tuple[float, str] | None:
+    """The (temperature, dtype) report whose plain and speculative tokens/s the table shows: greedy
+    in ``speed_dtype`` when asked, else the fp32 greedy one (None without T = 0)."""
+    if speed_dtype is not None:
+        return 0.0, speed_dtype
+    return (0.0, "float32") if 0.0 in temperatures else None
+
+
+def build_row(folder: str, label: str, info: dict, temperatures: list[float], speed_dtype: str | None) -> dict:
+    """One draft's row from its folder: ``info`` says what it is (draft, config, overrides, budget);
+    missing files leave their cells None."""
+    train = _load(os.path.join(folder, "train.json")) or {}
+    plan = _load(os.path.join(folder, "plan.json")) or {}
+    cal = plan.get("calibration", {})
+    row = {"label": label, **info,
+           "plan": {"predicted_job_min": plan["predicted_job_s"] / 60, "calibration_median_step_ms":
+                    1e3 * cal["median_step_s"], "setup_s": cal["setup_s"], "save_s": cal["save_s"]} if plan else None,
+           "training_min": train["wall_s"] / 60 if "wall_s" in train else None,
+           "steps": train.get("steps"), "median_step_ms": train.get("median_step_ms"),
+           "peaks_gib": train.get("peaks_gib"), "attempts": train.get("attempts"), "evals": {}}
+    for t in temperatures:
+        report = _load(os.path.join(folder, eval_report_name(t, "float32")))
+        if report is None:
+            continue
+        s = report["summary"]
+        row["evals"][f"{t:g}"] = {
+            "tau": s["tau"], "accept_rate": s["accept_rate"], "num_prompts": s["num_prompts"],
+            "lossless_prompts": s["lossless_prompts"], "num_draft_tokens": s["num_draft_tokens"],
+            "proposed_per_round": s["proposed_per_round"], "rounds": s["rounds"], "new_tokens": s["new_tokens"]}
+    source = speed_source(temperatures, speed_dtype)
+    row["speed"] = None
+    if source is not None:
+        report = _load(os.path.join(folder, eval_report_name(*source)))
+        if report is not None:
+            s = report["summary"]
+            row["speed"] = {"dtype": source[1], "speculative_tokens_per_s": s["speculative_tokens_per_s"],
+                            "plain_tokens_per_s": s["greedy_tokens_per_s"], "ratio": s["speedup"]}
+    return row
+
+
+def _num(value, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def _peak(peaks: dict | None) -> str:
+    if not peaks:
+        return "–"
+    if "max_allocated_gib" in peaks:
+        return f"{peaks['max_allocated_gib']:.1f} / {peaks.get('max_reserved_gib', float('nan')):.1f}"
+    return f"{peaks['peak_rss_gib']:.1f} (RSS)" if "peak_rss_gib" in peaks else "–"
+
+
+def _positions(rates: list[float]) -> str:
+    shown = rates[:POSITIONS_SHOWN]
+    return " / ".join(f"{r:.2f}" for r in shown) + (" / …" if len(rates) > POSITIONS_SHOWN else "")
+
+
+def render_markdown(rows: list[dict], meta: dict) -> str:
+    """The table as markdown, headed by what was compared and how."""
+    temps = [f"{t:g}" for t in meta["temperatures"]]
+    first = "0" if "0" in temps else temps[0]
+    speed = speed_source(meta["temperatures"], meta.get("speed_dtype"))
+    sp = SHORT_DTYPE.get(speed[1], speed[1]) if speed else "–"
+    head = (["draft", "budget min", "training min", "steps", "median step ms", "peak GiB"]
+            + [f"τ T={t}" for t in temps] + [f"accepted per position (T={first})", f"lossless (T={first}, fp32)",
+                                              f"speculative tok/s ({sp})", f"plain tok/s ({sp})", "ratio"])
+    lines = [f"# Draft comparison: {meta['view']}", "",
+             (f"Each draft trained for the same wall-clock budget ({meta['minutes']:g} min a job, start to exit, "
+              f"setup and compile included), steps chosen from a {meta['calibration_steps']}-step calibration job; "
+              f"then decoded on {meta['prompts']} ({meta['max_new_tokens']} new tokens) in fp32 at "
+              f"T = {', '.join(temps)} (sampling seed {meta['seed']}). Date {meta['date']}."), "",
+             f"Command: `{meta.get('command', '')}`", "",
+             "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        evals = r["evals"]
+        cells = [r["label"], _num(r["budget_min"], ".2f"), _num(r["training_min"], ".2f"), _num(r["steps"], "d"),
+                 _num(r["median_step_ms"], ".1f"), _peak(r["peaks_gib"])]
+        cells += [_num(evals[t]["tau"], ".3f") if t in evals else "–" for t in temps]
+        e = evals.get(first)
+        cells.append(_positions(e["accept_rate"]) if e else "–")
+        cells.append(f"{e['lossless_prompts']}/{e['num_prompts']}" if e and e["lossless_prompts"] is not None else "–")
+        s = r["speed"] or {}
+        cells += [_num(s.get("speculative_tokens_per_s"), ".1f"), _num(s.get("plain_tokens_per_s"), ".1f"),
+                  _num(s.get("ratio"), ".2f") + ("×" if s.get("ratio") is not None else "")]
+        lines.append("| " + " | ".join(cells) + " |")
+    over = [r["label"] for r in rows if r["training_min"] is not None and r["training_min"] > r["budget_min"]]
+    if over:
+        lines += ["", f"Over the budget: {', '.join(over)} (a slower step or save than the calibration's)."]
+    resumed = [f"{r['label']} ({r['attempts']})" for r in rows if (r.get("attempts") or 1) > 1]
+    if resumed:
+        lines += ["", f"Trained in several attempts (training min sums them): {', '.join(resumed)}."]
+    return "\n".join(lines) + "\n"
+
+
+def write_table(out_dir: str, rows: list[dict], meta: dict) -> tuple[str, str]:
+    """``<out>/table_<view>.md`` and ``.json``; returns their paths."""
+    base = os.path.join(out_dir, f"table_{meta['view']}")
+    with open(base + ".md", "w") as f:
+        f.write(render_markdown(rows, meta))
+    with open(base + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    return base + ".md", base + ".json"

@@ -1,0 +1,140 @@
+"""What scripts/compare_drafts.py compares: one training job per draft of a view, each a recipe
+TOML with the comparison's overrides, checked before any job starts (the trainer's own checks, and
+the data and target that every draft must share)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+
+from titan_draft.components.preflight import check_job_before_loading
+from titan_draft.config import ConfigManager, validate_job_config
+from titan_draft.config.manager import ConfigError
+from titan_draft.features.target import check_target_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+DEFAULT_CONFIGS = ",".join(f"train_configs/{d}_smollm2.toml" for d in ("eagle3", "dflash2", "dspark"))
+# Keys the comparison sets itself: an override of one would change what is compared.
+OWN_KEYS = {"job.config_file", "job.dump_folder", "training.steps", "training.epochs",
+            "metrics.enable_tensorboard", "eval.enable", "checkpoint.export"}
+# The data and target every draft must share.
+SHARED_KEYS = (("target", "path"), ("data", "source"), ("data", "holdout_rows"))
+# Equal drafted tokens per round: DSpark's block of b slots drafts b tokens, a DFlash2 block of b
+# slots drafts b - 1 (its slot 0 holds the anchor).
+BLOCK_SIZE_FOR_DRAFTED = {"dspark": lambda n: n, "dflash2": lambda n: n + 1}
+
+
+class CompareError(Exception):
+    """One line for the user, with an exit status (2: the request is wrong, 1: a run failed)."""
+
+    def __init__(self, line: str, status: int = 2):
+        super().__init__(line)
+        self.status = status
+
+
+def override_keys(overrides: list[str]) -> set[str]:
+    """The config keys a ``--section.key value`` list sets (``--no-x.y`` and ``--x.y=v`` too)."""
+    keys = set()
+    for token in overrides:
+        if token.startswith("--"):
+            key = token[2:].split("=", 1)[0]
+            key = key.removeprefix("no-")
+            keys.add(key.replace("-", "_"))
+    return keys
+
+
+def own_args(dump: str, steps: int) -> list[str]:
+    """The keys of OWN_KEYS (but the config file) as every job of the comparison gets them."""
+    return ["--job.dump_folder", dump, "--training.steps", str(steps), "--metrics.enable_tensorboard", "true",
+            "--eval.enable", "false", "--checkpoint.export", "true"]
+
+
+def _abspath_if_exists(path: str | None) -> str | None:
+    return os.path.abspath(path) if path and os.path.exists(path) else path
+
+
+def build_runs(a, extra: list[str], log: Callable[[str], None] = print) -> list[dict]:
+    """One entry per training job of the view: label, config path, its argv without the keys the
+    comparison sets, the resolved job config."""
+    if extra and not extra[0].startswith("--"):
+        raise CompareError(f"unexpected argument {extra[0]!r} (overrides are --section.key value)")
+    own = sorted(override_keys(extra) & OWN_KEYS)
+    if own:
+        raise CompareError(f"--{own[0]} is set by the comparison for every job, not by an override")
+    shared = []
+    if a.target:
+        shared += ["--target.path", _abspath_if_exists(a.target)]
+    if a.data:
+        shared += ["--data.source", _abspath_if_exists(a.data)]
+    runs = []
+    for path in a.configs.split(","):
+        config = os.path.abspath(path)
+        stem = os.path.splitext(os.path.basename(config))[0]
+        base = ["--job.config_file", config]
+        cfg = _resolve(base + shared + extra)
+        variants = [(stem, [])]
+        if a.view == "equal-draft-tokens":
+            if "model.args.block_size" in override_keys(extra):
+                raise CompareError("--model.args.block_size is set by the equal-draft-tokens view (see --drafted)")
+            rule = BLOCK_SIZE_FOR_DRAFTED.get(cfg.model.name)
+            if rule is None:
+                log(f"{stem}: left out of the equal-draft-tokens view (draft {cfg.model.name!r} has no block size)")
+                continue
+            variants = [(f"{stem}-drafted{n}", ["--model.args.block_size", str(rule(n))]) for n in a.drafted]
+        for label, view_args in variants:
+            argv = base + view_args + shared + extra
+            runs.append({"label": label, "config": config, "view_args": view_args, "argv": argv,
+                         "cfg": _resolve(argv + own_args("unused", 1))})
+    if not runs:
+        raise CompareError(f"no draft of {a.configs} takes part in the {a.view} view")
+    labels = [r["label"] for r in runs]
+    if len(set(labels)) < len(labels):
+        raise CompareError(f"--configs: two configs have the same file name ({labels}): each draft's folder is named "
+                           "after its config")
+    for section, key in SHARED_KEYS:
+        values = {r["label"]: getattr(getattr(r["cfg"], section), key) for r in runs}
+        if len(set(map(str, values.values()))) > 1:
+            raise CompareError(f"{section}.{key} differs between the drafts ({values}): the comparison trains "
+                               f"every draft on the same data for the same target (--target, --data)")
+    for run in runs:
+        check_job(run)
+    return runs
+
+
+@contextlib.contextmanager
+def _in_repo():
+    """Relative paths of a recipe are the repository's, as its jobs (run from there) read them."""
+    old = os.getcwd()
+    os.chdir(REPO)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def check_job(run: dict) -> None:
+    """The trainer's own checks that need no weights (values, draft args, target folder, data
+    rows), for every draft before the first job spends any time."""
+    quiet = logging.getLogger("compare_drafts.checks")
+    quiet.setLevel(logging.ERROR)  # the job itself logs its warnings
+    with _in_repo():
+        try:
+            validate_job_config(run["cfg"], quiet)
+            check_target_config(run["cfg"])
+            check_job_before_loading(run["cfg"])
+        except ValueError as e:
+            raise CompareError(f"{run['label']}: {e}") from None
+
+
+def _resolve(argv: list[str]):
+    try:
+        cfg = ConfigManager().parse_args(argv)
+    except ConfigError as e:
+        raise CompareError(str(e)) from None
+    if cfg.training.epochs > 0:
+        raise CompareError(f"{argv[1]}: training.epochs = {cfg.training.epochs}: the comparison chooses "
+                           "training.steps from the budget; set epochs to 0")
+    return cfg

@@ -1,0 +1,373 @@
+"""scripts/compare_drafts.py without training: the budget arithmetic, the table from reports the
+test writes, the equal-draft-tokens view, and the stages skipped or resumed on a second run (the
+jobs replaced by a fake that writes what a real job writes: TensorBoard scalars through the
+trainer's own metrics logger, and the export's provenance)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from scripts import compare_drafts, compare_runs
+from scripts.compare_plan import (BudgetError, Calibration, RunMetrics, build_calibration, choose_steps,
+                                  read_run_metrics)
+from scripts.compare_report import build_row, eval_report_name, render_markdown
+from titan_draft.checkpoint.export import PROVENANCE_NAME
+from titan_draft.components.metrics import MetricsLogger
+from titan_draft.config.job_config import Metrics
+from titan_draft.decoding.acceptance import EvalReport, PromptReport
+from titan_draft.protocols import get_model_spec
+from helpers import REPO
+
+DEBUG = os.path.join(REPO, "train_configs", "debug_random.toml")
+
+
+# ---- the budget ----
+
+
+def test_steps_fill_the_budget_and_no_more():
+    cal = Calibration(steps=60, warmup=10, wall_s=100.0, median_step_s=0.5)
+    assert cal.setup_s == pytest.approx(100.0 - 60 * 0.5)
+    for minutes, margin in ((6, 0.03), (12, 0.0), (3.0, 0.1)):
+        budget = 60 * minutes
+        steps = choose_steps("d", budget, cal, margin)
+        usable = budget * (1 - margin)
+        # the whole job (setup once, then the steps) fits; one more step would not
+        assert cal.setup_s + steps * 0.5 <= usable < cal.setup_s + (steps + 1) * 0.5
+    assert choose_steps("d", 360, cal, 0.03) == 558  # (360 * 0.97 - 70) / 0.5 = 558.4
+
+
+def test_periodic_saves_are_paid_from_the_budget():
+    # the calibration saved once halfway, which cost 2 s on top of the step after it
+    cal = Calibration(steps=60, warmup=10, wall_s=102.0, median_step_s=0.5, save_step=35, save_s=2.0)
+    assert cal.setup_s == pytest.approx(102.0 - 60 * 0.5 - 2.0)
+    for interval in (1, 7, 50, 100, 10_000):
+        steps = choose_steps("d", 360, cal, 0.03, interval)
+        job = cal.setup_s + steps * 0.5 + ((steps - 1) // interval) * 2.0  # a save at every interval but the last step
+        assert job == pytest.approx(cal.job_s(steps, interval))
+        assert job <= 360 * 0.97 < cal.job_s(steps + 1, interval)
+    assert choose_steps("d", 360, cal, 0.03, 100) < choose_steps("d", 360, cal, 0.03, 0)
+
+
+def test_a_budget_smaller_than_the_setup_is_refused_in_one_line():
+    cal = Calibration(steps=60, warmup=10, wall_s=100.0, median_step_s=0.5)
+    with pytest.raises(BudgetError) as e:
+        choose_steps("dspark_smollm2", 60.0, cal, 0.03)  # 58.2 s usable, 70 s of setup
+    line = str(e.value)
+    assert "\n" not in line and "dspark_smollm2" in line and "1.00 min" in line and "1.17 min" in line
+    need = float(line.rsplit("--minutes ", 1)[1].split()[0])
+    assert choose_steps("d", 60 * need, cal, 0.03) >= 1  # the budget it names is enough
+    with pytest.raises(BudgetError):
+        choose_steps("d", 60 * (need - 0.01), cal, 0.03)  # and the least it can name
+
+
+def test_calibration_median_leaves_out_the_warmup_steps():
+    times = {1: 30.0, 2: 4.0, 3: 0.52, 4: 0.48, 5: 0.50, 6: 2.0, 7: 0.49}
+    cal = build_calibration(RunMetrics(step_times=times, peaks={}), steps=7, warmup=2, wall_s=50.0)
+    assert cal.median_step_s == statistics.median([0.52, 0.48, 0.50, 2.0, 0.49])
+    with pytest.raises(BudgetError, match="did not finish"):
+        build_calibration(RunMetrics(step_times=times, peaks={}), steps=9, warmup=2, wall_s=50.0)
+    # saved after step 5: step 6 carries the save, which is not a step's time
+    cal = build_calibration(RunMetrics(step_times=times, peaks={}), steps=7, warmup=2, wall_s=50.0, save_step=5)
+    assert cal.median_step_s == statistics.median([0.52, 0.48, 0.50, 0.49])
+    assert cal.save_s == pytest.approx(2.0 - cal.median_step_s)
+    assert cal.setup_s == pytest.approx(50.0 - 7 * cal.median_step_s - cal.save_s)
+
+
+def _write_tb(dump: str, step_times: list[float], memory_steps: int = 0) -> None:
+    """Scalars as the trainer logs them: its own MetricsLogger, every step a window."""
+    logger = MetricsLogger(Metrics(log_freq=1), dump, rank=0, device_type="cpu")
+    for step, t in enumerate(step_times, start=1):
+        logger.log(step, {"step_time_s": t, "loss": 1.0}, len(step_times))
+    logger.close()
+
+
+def test_step_times_and_peaks_are_read_from_the_trainers_tensorboard_scalars(tmp_path):
+    times = [3.0, 0.25, 0.5, 0.75]
+    _write_tb(str(tmp_path), times)
+    metrics = read_run_metrics(str(tmp_path / "tb" / "run"))
+    assert metrics.step_times == pytest.approx(dict(enumerate(times, start=1)))
+    assert metrics.peaks["peak_rss_gib"] > 0  # on CPU the memory monitor's peak is the RSS
+    with pytest.raises(BudgetError, match="no TensorBoard logs"):
+        read_run_metrics(str(tmp_path / "nowhere"))
+
+
+# ---- the table ----
+
+
+def _report(temperature: float, rounds: list[int], tokens: list[int], accepted: list[list[int]],
+            lossless: list[bool] | None, times=(1.0, 2.0)) -> dict:
+    prompts = [PromptReport(name=f"p{i}", prompt_tokens=10, new_tokens=tokens[i], rounds=rounds[i],
+                            round_tokens=tokens[i] - 1, tau=(tokens[i] - 1) / rounds[i], speculative_s=times[0],
+                            accepted=accepted[i], greedy_s=times[1], lossless=None if lossless is None else lossless[i],
+                            proposed=[4] * rounds[i])
+               for i in range(len(rounds))]
+    return {"target": "t", "draft": "d", "dtype": "float32", "proposer_options": {},
+            **EvalReport(prompts, num_draft_tokens=4, max_new_tokens=16, temperature=temperature).to_json()}
+
+
+def test_the_table_row_comes_from_the_training_record_and_the_eval_reports(tmp_path):
+    folder = tmp_path / "dspark"
+    folder.mkdir()
+    (folder / "train.json").write_text(json.dumps({"steps": 900, "wall_s": 345.0, "attempts": 1,
+                                                   "median_step_ms": 81.5, "peaks_gib": {"max_allocated_gib": 10.2,
+                                                                                        "max_reserved_gib": 10.7}}))
+    greedy = _report(0.0, [5, 4], [16, 12], [[2, 1, 0, 3, 4], [1, 1, 0, 2]], [True, False])
+    sampled = _report(1.0, [6, 6], [16, 15], [[1, 1, 0, 2, 1, 1], [0, 1, 1, 2, 1, 0]], None)
+    speed = _report(0.0, [5, 4], [16, 12], [[2, 1, 0, 3, 4], [1, 1, 0, 2]], [True, True], times=(0.5, 2.0))
+    for t, dtype, rep in ((0.0, "float32", greedy), (1.0, "float32", sampled), (0.0, "bfloat16", speed)):
+        (folder / eval_report_name(t, dtype)).write_text(json.dumps(rep))
+    row = build_row(str(folder), "dspark_smollm2", {"draft": "dspark", "budget_min": 6.0}, [0.0, 1.0], "bfloat16")
+
+    assert row["steps"] == 900 and row["training_min"] == pytest.approx(345.0 / 60)
+    # tau: tokens that verify rounds produced over rounds, over all prompts
+    assert row["evals"]["0"]["tau"] == pytest.approx((15 + 11) / (5 + 4))
+    assert row["evals"]["1"]["tau"] == pytest.approx((15 + 14) / (6 + 6))
+    # accepted per position k: rounds that accepted at least k tokens, over all rounds
+    assert row["evals"]["0"]["accept_rate"][:3] == pytest.approx([7 / 9, 4 / 9, 2 / 9])
+    assert row["evals"]["0"]["lossless_prompts"] == 1 and row["evals"]["1"]["lossless_prompts"] is None
+    assert row["speed"]["dtype"] == "bfloat16"
+    assert row["speed"]["speculative_tokens_per_s"] == pytest.approx(28 / 1.0)  # from the bf16 report
+    assert row["speed"]["ratio"] == pytest.approx((28 / 1.0) / (28 / 4.0))
+
+    meta = {"view": "recipes", "minutes": 6.0, "calibration_steps": 60, "prompts": "mtbench",
+            "max_new_tokens": 256, "temperatures": [0.0, 1.0], "seed": 0, "speed_dtype": "bfloat16", "date": "d"}
+    md = render_markdown([row], meta)
+    cells = [c.strip() for c in md.splitlines()[-1].strip("|").split("|")]
+    head = [c.strip() for c in next(line for line in md.splitlines() if line.startswith("| draft")).strip("|").split("|")]
+    got = dict(zip(head, cells))
+    assert got["draft"] == "dspark_smollm2" and got["steps"] == "900" and got["training min"] == "5.75"
+    assert got["τ T=0"] == f"{26 / 9:.3f}" and got["τ T=1"] == f"{29 / 12:.3f}"
+    assert got["lossless (T=0, fp32)"] == "1/2" and got["peak GiB"] == "10.2 / 10.7"
+    assert got["accepted per position (T=0)"].startswith(f"{7 / 9:.2f} / {4 / 9:.2f}")
+    assert got["ratio"] == "4.00×" and got["speculative tok/s (bf16)"] == "28.0"
+
+
+def test_a_missing_report_leaves_its_cells_empty(tmp_path):
+    row = build_row(str(tmp_path), "eagle3", {"budget_min": 6.0}, [0.0, 1.0], None)
+    assert row["steps"] is None and row["evals"] == {} and row["speed"] is None
+    meta = {"view": "recipes", "minutes": 6.0, "calibration_steps": 60, "prompts": "mtbench",
+            "max_new_tokens": 256, "temperatures": [0.0, 1.0], "seed": 0, "date": "d"}
+    assert render_markdown([row], meta).splitlines()[-1].count("–") == 11
+
+
+# ---- the runs of a view ----
+
+
+@pytest.fixture
+def job(random_target_dir, chat_jsonl) -> list[str]:
+    """The target and data every job of these tests shares."""
+    return ["--target", random_target_dir, "--data", chat_jsonl]
+
+
+def test_equal_draft_tokens_view_sets_the_block_sizes_of_equal_drafted_tokens(job):
+    configs = ",".join(os.path.join(REPO, "train_configs", n) for n in
+                       ("debug_random.toml", "dspark_debug.toml", "eagle3_debug.toml"))
+    a, extra = compare_drafts.parse_args(["--minutes", "1", "--configs", configs, "--view", "equal-draft-tokens", *job])
+    runs = {r["label"]: r["cfg"] for r in compare_runs.build_runs(a, extra, print)}
+    assert {k: v.model.args["block_size"] for k, v in runs.items()} == {
+        "debug_random-drafted7": 8, "debug_random-drafted15": 16,
+        "dspark_debug-drafted7": 7, "dspark_debug-drafted15": 15}
+    # each block size drafts the view's tokens per round, as the draft's own proposer counts them
+    for label, cfg in runs.items():
+        spec = get_model_spec(cfg.model.name)
+        args = dataclasses.replace(spec.flavors[cfg.model.flavor], **cfg.model.args, vocab_size=256,
+                                   target_layer_ids=[1], num_target_layers=2)
+        with torch.device("cpu"):
+            draft = spec.model_cls(args)
+        draft.load_frozen_tables(torch.randn(256, args.hidden_size), torch.randn(256, args.hidden_size))
+        assert spec.build_proposer_fn(draft.eval()).num_draft_tokens == int(label.rsplit("drafted", 1)[1]), label
+
+
+@pytest.mark.parametrize("extra, expect", [
+    (["--training.steps", "5"], "--training.steps is set by the comparison"),
+    (["--no-eval.enable"], "--eval.enable is set by the comparison"),
+    (["--training.epochs", "2"], "--training.epochs is set by the comparison"),
+    (["--model.args.nope", "1"], "debug_random: model.args: unknown dflash2 arg(s) ['nope']"),
+    (["--data.max_length", "4"], "debug_random: data.source: none of the first 200 rows"),
+])
+def test_bad_requests_are_one_line_errors_before_any_job(tmp_path, capsys, monkeypatch, job, extra, expect):
+    jobs = FakeJobs()
+    monkeypatch.setattr(compare_drafts, "run_logged", jobs)
+    status = compare_drafts.main(["--minutes", "1", "--configs", DEBUG, "--out", str(tmp_path), *job, *extra])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and "\n" not in err and err.startswith("compare_drafts: error:") and expect in err
+    assert jobs.calls == []
+
+
+@pytest.mark.parametrize("old, new, expect", [
+    ('source = "sharegpt"', 'source = "elsewhere.jsonl"', "data.source differs between the drafts"),
+    ("steps = 150", "steps = 150\nepochs = 2", "training.epochs = 2: the comparison chooses training.steps"),
+])
+def test_configs_the_comparison_cannot_honour_are_refused(tmp_path, capsys, old, new, expect, random_target_dir):
+    other = tmp_path / "other.toml"
+    text = Path(DEBUG).read_text()
+    assert old in text
+    other.write_text(text.replace(old, new))
+    status = compare_drafts.main(["--minutes", "1", "--configs", f"{DEBUG},{other}", "--out", str(tmp_path),
+                                  "--target", random_target_dir])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and "\n" not in err and expect in err
+
+
+# ---- resume and skip ----
+
+
+class FakeJobs:
+    """Stands in for compare_drafts.run_logged: records each command and writes what the real job
+    would. ``stop_training_once``: the first training attempt stops (SIGTERM) before its export."""
+
+    def __init__(self, stop_training_once: bool = False, interrupt_training_once: bool = False):
+        self.calls: list[tuple[str, list[str]]] = []
+        self.caches: list[tuple[str, str, bool]] = []  # (job, its compile cache, whether it existed before)
+        self.stop_training_once = stop_training_once
+        self.interrupt_training_once = interrupt_training_once
+
+    def __call__(self, cmd, log_path, env_extra=None):
+        with open(log_path, "a") as log:
+            log.write("fake job\n")
+        arg = dict(zip(cmd, cmd[1:]))  # each flag and what follows it
+        if "titan_draft.eval" in cmd:
+            self.calls.append(("eval", cmd))
+            t = float(arg["--temperature"])
+            rep = _report(t, [4, 4], [12, 12], [[1, 2, 0, 1], [3, 0, 1, 1]], None if t > 0 else [True, True])
+            Path(arg["--out"]).write_text(json.dumps(rep))
+            return 0, 3.0
+        dump, steps = arg["--job.dump_folder"], int(arg["--training.steps"])
+        kind = "calibration" if arg.get("--metrics.log_freq") == "1" else "train"
+        self.calls.append((kind, cmd))
+        self.caches.append((kind, env_extra["TORCHINDUCTOR_CACHE_DIR"], os.path.exists(env_extra["TORCHINDUCTOR_CACHE_DIR"])))
+        os.makedirs(env_extra["TORCHINDUCTOR_CACHE_DIR"], exist_ok=True)  # the job compiles into it
+        times = [9.0, 3.0] + [0.5] * (steps - 2)
+        if kind == "calibration":  # its save, after the step the comparison asked for, costs 2 s
+            times[int(arg["--checkpoint.interval"])] += 2.0
+        os.makedirs(os.path.join(dump, "checkpoint", "step-1"), exist_ok=True)
+        if kind == "train" and self.interrupt_training_once:
+            self.interrupt_training_once = False
+            _write_tb(dump, [9.0] + [0.5] * 4)
+            raise compare_drafts.Interrupted(12.0)  # Ctrl-C: the job saved and stopped after 12 s
+        if kind == "train" and self.stop_training_once:
+            self.stop_training_once = False
+            _write_tb(dump, [9.0] + [0.5] * 9)
+            return 0, 20.0  # stopped by a signal after a checkpoint: exit 0, no export
+        _write_tb(dump, times)
+        os.makedirs(os.path.join(dump, "export"), exist_ok=True)
+        Path(dump, "export", PROVENANCE_NAME).write_text(json.dumps({"step": steps}))
+        return 0, (40.0 if kind == "calibration" else 35.0)
+
+
+def _compare(tmp_path, job, *extra):
+    return compare_drafts.main(["--minutes", "1", "--configs", DEBUG, "--out", str(tmp_path / "out"), *job,
+                                "--calibration-steps", "6", "--calibration-warmup", "2", *extra])
+
+
+def test_finished_stages_are_skipped_and_a_stopped_training_resumes(tmp_path, monkeypatch, capsys, job):
+    jobs = FakeJobs(stop_training_once=True)
+    monkeypatch.setattr(compare_drafts, "run_logged", jobs)
+    assert _compare(tmp_path, job) == 1
+    assert "stopped before step" in capsys.readouterr().err
+    assert [k for k, _ in jobs.calls] == ["calibration", "train"]
+    calibration = jobs.calls[0][1]
+    assert calibration[calibration.index("--checkpoint.interval") + 1] == "4"  # 2 warm-up + 4 // 2
+    # each job compiles from an empty cache of its own, as the plan assumed
+    (_, cal_cache, cal_warm), (_, run_cache, run_warm) = jobs.caches
+    assert cal_cache != run_cache and not cal_warm and not run_warm
+
+    jobs.calls.clear()
+    assert _compare(tmp_path, job) == 0
+    # the calibration is not run again; the training is the same command (it resumes)
+    assert [k for k, _ in jobs.calls] == ["train", "eval", "eval"]
+    folder = tmp_path / "out" / "debug_random"
+    steps = json.loads((folder / "plan.json").read_text())["steps"]
+    # a 40 s calibration of 6 steps of 0.5 s and a 2 s save after step 4 (halfway through the warm steps)
+    assert steps == int((58.2 - (40.0 - 6 * 0.5 - 2.0)) / 0.5)
+    assert jobs.calls[0][1][jobs.calls[0][1].index("--training.steps") + 1] == str(steps)
+    row = json.loads((tmp_path / "out" / "table_recipes.json").read_text())["rows"][0]
+    assert row["attempts"] == 2 and row["training_min"] == pytest.approx((20.0 + 35.0) / 60)
+    assert row["plan"]["predicted_job_min"] == pytest.approx((35.0 + steps * 0.5) / 60)  # no save before the last
+    assert row["plan"]["save_s"] == pytest.approx(2.0) and row["plan"]["calibration_median_step_ms"] == 500
+
+    # a record lost after the job finished: read again from the job's files, not trained again
+    (folder / "train.json").unlink()
+    jobs.calls.clear()
+    assert _compare(tmp_path, job) == 0 and [k for k, _ in jobs.calls] == ["eval", "eval"]
+    assert json.loads((folder / "train.json").read_text())["wall_s"] == pytest.approx(55.0)
+
+    jobs.calls.clear()
+    table = (tmp_path / "out" / "table_recipes.md").read_text()
+    assert _compare(tmp_path, job) == 0 and jobs.calls == []  # everything done: nothing runs
+    assert (tmp_path / "out" / "table_recipes.md").read_text() == table
+
+    (folder / eval_report_name(1.0, "float32")).unlink()
+    assert _compare(tmp_path, job) == 0
+    ((_, cmd),) = jobs.calls
+    assert cmd[cmd.index("--temperature") + 1] == "1" and cmd[cmd.index("--seed") + 1] == "0"
+    assert "--no-lossless-check" in cmd  # sampling: nothing to check token for token
+
+    capsys.readouterr()
+    jobs.calls.clear()
+    assert _compare(tmp_path, job, "--margin", "0.1") == 2  # another budget: refused, nothing run or lost
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "was started for 1 min with margin 0.03" in err and jobs.calls == []
+    assert json.loads((folder / "train.json").read_text())["steps"] == steps
+    assert _compare(tmp_path, job, "--calibration-steps", "8") == 2  # another calibration: refused too
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "made with another calibration_steps" in err and jobs.calls == []
+
+
+def test_new_eval_settings_redo_the_evals_only(tmp_path, monkeypatch, job):
+    jobs = FakeJobs()
+    monkeypatch.setattr(compare_drafts, "run_logged", jobs)
+    assert _compare(tmp_path, job) == 0
+    jobs.calls.clear()
+    assert _compare(tmp_path, job, "--max-new-tokens", "64") == 0
+    assert [k for k, _ in jobs.calls] == ["eval", "eval"]
+    assert all(c[c.index("--max-new-tokens") + 1] == "64" for _, c in jobs.calls)
+
+    jobs.calls.clear()  # the speed run adds its eval alone: greedy in bf16, with the plain decode it times
+    assert _compare(tmp_path, job, "--max-new-tokens", "64", "--speed-dtype", "bfloat16") == 0
+    ((kind, cmd),) = jobs.calls
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and cmd[cmd.index("--temperature") + 1] == "0"
+    assert "--no-lossless-check" not in cmd
+    row = json.loads((tmp_path / "out" / "table_recipes.json").read_text())["rows"][0]
+    assert row["speed"]["dtype"] == "bfloat16"
+
+
+def test_a_budget_below_the_calibrated_setup_stops_before_training(tmp_path, monkeypatch, capsys, job):
+    jobs = FakeJobs()
+    monkeypatch.setattr(compare_drafts, "run_logged", jobs)
+    status = compare_drafts.main(["--minutes", "0.5", "--configs", DEBUG, "--out", str(tmp_path / "out"), *job,
+                                  "--calibration-steps", "6", "--calibration-warmup", "2"])
+    err = capsys.readouterr().err.strip()
+    # 37 s of the 40 s calibration job were not steps; 0.5 min less 3 % leaves 29.1 s
+    assert status == 2 and "\n" not in err and "a budget of 0.50 min leaves no time to train" in err
+    assert [k for k, _ in jobs.calls] == ["calibration"]
+    # the calibration is kept: a larger budget goes on from it
+    status = compare_drafts.main(["--minutes", "1", "--configs", DEBUG, "--out", str(tmp_path / "out"), *job,
+                                  "--calibration-steps", "6", "--calibration-warmup", "2"])
+    assert status == 0 and [k for k, _ in jobs.calls] == ["calibration", "train", "eval", "eval"]
+
+
+def test_the_time_of_an_interrupted_training_counts(tmp_path, monkeypatch, capsys, job):
+    jobs = FakeJobs(interrupt_training_once=True)
+    monkeypatch.setattr(compare_drafts, "run_logged", jobs)
+    assert _compare(tmp_path, job) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert _compare(tmp_path, job) == 0
+    row = json.loads((tmp_path / "out" / "table_recipes.json").read_text())["rows"][0]
+    assert row["attempts"] == 2 and row["training_min"] == pytest.approx((12.0 + 35.0) / 60)
+    assert [k for k, _ in jobs.calls] == ["calibration", "train", "train", "eval", "eval"]
+
+
+def test_two_configs_of_one_name_are_refused(tmp_path, capsys, job):
+    twin = tmp_path / "twin" / "debug_random.toml"
+    twin.parent.mkdir()
+    twin.write_text(Path(DEBUG).read_text())
+    assert compare_drafts.main(["--minutes", "1", "--configs", f"{DEBUG},{twin}", "--out", str(tmp_path), *job]) == 2
+    assert "same file name" in capsys.readouterr().err
