@@ -10,11 +10,13 @@ tests/gpu/test_proposals_gpu.py, which reuses them."""
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.block_diffusion.decoder import BlockDecoder
 from models.dspark import DSparkDraft, DSparkProposer
@@ -184,10 +186,7 @@ def run_rounds(proposers, vocab: int, *, rounds: int = 10, prompt: int = 9, seed
     return accepted
 
 
-class NoHostReads(TorchFunctionMode):
-    """Fails on anything a CUDA graph cannot replay: a device value read on the host (``int``,
-    ``float``, ``bool``, ``.item()``, ``.tolist()``) or a host value baked in (``torch.tensor``)."""
-
+class _NoHostFunctions(TorchFunctionMode):
     FORBIDDEN = {"__int__", "__float__", "__bool__", "__index__", "item", "tolist", "tensor", "as_tensor",
                  "numpy", "cpu"}
 
@@ -196,6 +195,23 @@ class NoHostReads(TorchFunctionMode):
         if name in self.FORBIDDEN:
             raise AssertionError(f"host read inside the proposal: {name}")
         return func(*args, **(kwargs or {}))
+
+
+class _NoScalarReads(TorchDispatchMode):
+    # what .item() and indexing by a 0-dim tensor run underneath (the latter from C++)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("host read inside the proposal: a tensor read as a scalar")
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def no_host_reads():
+    """Fails on anything a CUDA graph cannot replay: a device value read on the host (``int``,
+    ``float``, ``bool``, ``.item()``, ``.tolist()``, indexing by a 0-dim tensor) or a host value
+    baked in (``torch.tensor``)."""
+    with _NoHostFunctions(), _NoScalarReads():
+        yield
 
 
 @pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
@@ -268,18 +284,21 @@ def test_proposals_read_nothing_on_the_host():
     prop = DSparkProposer(d, confidence_threshold=0.1)
     run_rounds([prop], d.args.vocab_size, rounds=2)
     prop._anchor.fill_(3)
-    with NoHostReads():
+    with no_host_reads():
         tokens, _, _, survival = prop._propose()
     assert tokens.numel() == 5 and survival.dtype == torch.float64
     e = eagle3_draft()
     eprop = Eagle3Proposer(e, num_draft_tokens=4)
     run_rounds([eprop], e.args.vocab_size, rounds=2)
     eprop._start_chain(3)
-    with NoHostReads():
+    with no_host_reads():
         picks, logits, _ = eprop._chain()
     assert picks.numel() == 4 and logits.shape == (4, e.args.draft_vocab_size)
-    with pytest.raises(AssertionError, match="host read inside the proposal"), NoHostReads():
+    with pytest.raises(AssertionError, match="host read inside the proposal"), no_host_reads():
         ReferenceDSpark(d, stop_below=0.1).walk(3)  # the guard catches the eager walk's reads
+    ids, scores = e.draft_ids(), torch.arange(5.0)
+    with pytest.raises(AssertionError, match="read as a scalar"), no_host_reads():
+        ids[scores.argmax()]  # a 0-dim index is read on the host (from C++: only dispatch sees it)
 
 
 def test_graphs_need_a_gpu():
