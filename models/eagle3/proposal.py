@@ -13,7 +13,8 @@ slots under a mask of the filled ones. So on a CUDA device the whole chain (step
 written into the cache at the device-side length, every step, every pick) is captured once as a
 CUDA graph and replayed (``graphs=True``, the default there): eagerly, a chain of 7 steps
 launches a few hundred small kernels at batch 1, which made EAGLE-3's eval pay for its own
-launches where DFlash's replays. ``commit`` (a varying number of rows) stays eager.
+launches where DFlash's replays. ``commit`` (a varying number of rows) stays eager, one midlayer
+pass for all of its rows.
 """
 
 from __future__ import annotations
@@ -85,23 +86,25 @@ class Eagle3Proposer:
     @torch.no_grad()
     def commit(self, token_ids: torch.Tensor, aux: torch.Tensor, last_hidden: torch.Tensor | None = None) -> None:
         """Positions of ``token_ids`` now have features ``aux``: each position whose next token is
-        known (the waiting one, then all but the newest) gets its step-0 entry."""
+        known (the waiting one, then all but the newest) gets its step-0 entry, all in one
+        midlayer pass (row i sees the cache and rows 0 .. i: training's step 0)."""
         d = self.draft
         fused = d.fuse(aux[None])  # [1, n, H]
-        tokens = token_ids.tolist()
-        waiting = [self._pending.clone()] if self.has_pending else []
-        rows = waiting + [fused[:, i : i + 1] for i in range(len(tokens) - 1)]
-        nexts = tokens if waiting else tokens[1:]
-        self._reserve(self.length + len(rows) + 1)  # + the entry the next proposal completes
-        for hidden, nxt in zip(rows, nexts):
-            p = self.length
-            rope = d.rope(torch.tensor([[p]], device=self.device), self.acc_dtype)
-            emb = d.embed(torch.tensor([[nxt]], device=self.device), self.dtype)
+        token_ids = token_ids.to(self.device)
+        rows = fused[:, :-1]
+        nexts = token_ids[1:]
+        if self.has_pending:
+            rows, nexts = torch.cat([self._pending, rows], dim=1), token_ids
+        r, p = rows.shape[1], self.length
+        self._reserve(p + r + 1)  # + the entry the next proposal completes
+        if r:
+            rope = d.rope(torch.arange(p, p + r, device=self.device)[None], self.acc_dtype)
+            causal = torch.ones(r, p + r, dtype=torch.bool, device=self.device).tril(p)
             context = [(self._k[:, :, :p], self._v[:, :, :p])] if p else []
-            _, (k, v) = d.midlayer(emb, hidden, rope, context, None)
-            self._k[:, :, p : p + 1] = k
-            self._v[:, :, p : p + 1] = v
-            self.length += 1
+            _, (k, v) = d.midlayer(d.embed(nexts[None], self.dtype), rows, rope, context, causal[None, None])
+            self._k[:, :, p : p + r] = k
+            self._v[:, :, p : p + r] = v
+            self.length += r
         self._pending.copy_(fused[:, -1:])
         self.has_pending = True
         self._len.fill_(self.length)
@@ -132,14 +135,14 @@ class Eagle3Proposer:
         picks, logits, outs, chain = [], [], [out], []
         for j in range(self.num_draft_tokens):
             logits.append(d.lm_head(d.norm(out)).to(self.acc_dtype)[0, -1])
-            picks.append(self.ids[logits[-1].argmax()])
+            picks.append(self.ids[logits[-1].argmax().view(1)])  # a 0-dim index would sync
             if j + 1 == self.num_draft_tokens:
                 break
             token = picks[-1] if forced is None else forced[j]
             out, kv = self._step(position + 1 + j, token.view(1, 1), out, chain, filled)
             chain.append(kv)
             outs.append(out)
-        return torch.stack(picks), torch.stack(logits), outs
+        return torch.cat(picks), torch.stack(logits), outs
 
     def _start_chain(self, last_token: int) -> None:
         if not self.has_pending:
