@@ -13,8 +13,8 @@ slots under a mask of the filled ones. So on a CUDA device the whole chain (step
 written into the cache at the device-side length, every step, every pick) is captured once as a
 CUDA graph and replayed (``graphs=True``, the default there): eagerly, a chain of 7 steps
 launches a few hundred small kernels at batch 1, which made EAGLE-3's eval pay for its own
-launches where DFlash's replays. ``commit`` (a varying number of rows) stays eager, one midlayer
-pass for all of its rows.
+launches where DFlash's replays. ``commit`` (a varying number of rows) stays eager: one
+projection of all its rows into keys and values.
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ class Eagle3Proposer:
     @torch.no_grad()
     def commit(self, token_ids: torch.Tensor, aux: torch.Tensor, last_hidden: torch.Tensor | None = None) -> None:
         """Positions of ``token_ids`` now have features ``aux``: each position whose next token is
-        known (the waiting one, then all but the newest) gets its step-0 entry, all in one
-        midlayer pass (row i sees the cache and rows 0 .. i: training's step 0)."""
+        known (the waiting one, then all but the newest) gets its step-0 entry: its keys and
+        values, all rows at once (an entry's keys do not depend on what it attends to)."""
         d = self.draft
         fused = d.fuse(aux[None])  # [1, n, H]
         token_ids = token_ids.to(self.device)
@@ -98,10 +98,9 @@ class Eagle3Proposer:
         r, p = rows.shape[1], self.length
         self._reserve(p + r + 1)  # + the entry the next proposal completes
         if r:
+            # only the entries' keys and values are kept: no attention, no MLP
             rope = d.rope(torch.arange(p, p + r, device=self.device)[None], self.acc_dtype)
-            causal = torch.ones(r, p + r, dtype=torch.bool, device=self.device).tril(p)
-            context = [(self._k[:, :, :p], self._v[:, :, :p])] if p else []
-            _, (k, v) = d.midlayer(d.embed(nexts[None], self.dtype), rows, rope, context, causal[None, None])
+            k, v = d.midlayer.keys_values(d.embed(nexts[None], self.dtype), rows, rope)
             self._k[:, :, p : p + r] = k
             self._v[:, :, p : p + r] = v
             self.length += r
