@@ -4,11 +4,12 @@
 
 Three cases, each timed eagerly and through ``GraphedDecoder`` on the same cache contents:
 a greedy step at batch 1 (T = 1), a verify pass of a 16-token block at batch 1 (T = 16), and a
-regeneration step at batch ``--batch`` over ``--context`` left-padded cached tokens; then the
-draft side of one speculative round (the proposal, its tokens read on the host, the commit of one
-token) of each of ``--proposals`` (DFlash2, EAGLE-3, DSpark; random weights, ``--draft-flavor``)
-after ``--context`` committed tokens, eager and with the proposal as a CUDA graph. Medians of ``--iters`` calls after ``--warmup``, with the ratio
-eager / graphs. ``--target smollm2-shape`` runs on random weights of SmolLM2's shape (no files).
+regeneration step at batch ``--batch`` over ``--context`` left-padded cached tokens; then, for
+each draft of ``--proposals`` (DFlash2, EAGLE-3, DSpark; random weights, ``--draft-flavor``) after
+``--context`` committed tokens, its proposal (up to its tokens read on the host) and its share of
+a round (the proposal and the commit of one token), eager and with the proposal as a CUDA graph.
+Medians of ``--iters`` calls after ``--warmup``, with the ratio eager / graphs. ``--target
+smollm2-shape`` runs on random weights of SmolLM2's shape (no files).
 """
 
 from __future__ import annotations

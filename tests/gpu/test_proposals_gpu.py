@@ -96,7 +96,7 @@ def test_graphed_eagle3_equals_eager():
     eager, ref = Logged(Eagle3Proposer(d, num_draft_tokens=4, graphs=False)), Logged(ReferenceEagle3(d, 4))
     run_rounds([graphed, eager, ref], d.args.vocab_size, rounds=12, grow=300)
     assert graphed._graph is not None and graphed._k.shape[2] > 256
-    for got, plain, want in zip(graphed.logits, eager.logits, ref.logits):
+    for got, plain, want in zip(graphed.logits, eager.logits, ref.logits, strict=True):
         torch.testing.assert_close(got, want, **TOL)
         torch.testing.assert_close(got, plain, **TOL)
 
