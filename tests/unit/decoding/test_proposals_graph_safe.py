@@ -296,6 +296,10 @@ def test_proposals_read_nothing_on_the_host():
     assert picks.numel() == 4 and logits.shape == (4, e.args.draft_vocab_size)
     with pytest.raises(AssertionError, match="host read inside the proposal"), no_host_reads():
         ReferenceDSpark(d, stop_below=0.1).walk(3)  # the guard catches the eager walk's reads
+    eref = ReferenceEagle3(e, 4)
+    run_rounds([eref], e.args.vocab_size, rounds=2)
+    with pytest.raises(AssertionError, match="host read inside the proposal"), no_host_reads():
+        eref.walk(3)  # and the eager chain's
     ids, scores = e.draft_ids(), torch.arange(5.0)
     with pytest.raises(AssertionError, match="read as a scalar"), no_host_reads():
         ids[scores.argmax()]  # a 0-dim index is read on the host (from C++: only dispatch sees it)
