@@ -4,10 +4,12 @@
 
 Three cases, each timed eagerly and through ``GraphedDecoder`` on the same cache contents:
 a greedy step at batch 1 (T = 1), a verify pass of a 16-token block at batch 1 (T = 16), and a
-regeneration step at batch ``--batch`` over ``--context`` left-padded cached tokens; then one
-DFlash2 proposal (random weights, ``--draft-flavor``) after ``--context`` committed tokens,
-eager and as a CUDA graph. Medians of ``--iters`` calls after ``--warmup``, with the ratio
-eager / graphs. ``--target smollm2-shape`` runs on random weights of SmolLM2's shape (no files).
+regeneration step at batch ``--batch`` over ``--context`` left-padded cached tokens; then, for
+each draft of ``--proposals`` (DFlash2, EAGLE-3, DSpark; random weights, ``--draft-flavor``) after
+``--context`` committed tokens, its proposal (up to its tokens read on the host) and its share of
+a round (the proposal and the commit of one token), eager and with the proposal as a CUDA graph.
+Medians of ``--iters`` calls after ``--warmup``, with the ratio eager / graphs. ``--target
+smollm2-shape`` runs on random weights of SmolLM2's shape (no files).
 """
 
 from __future__ import annotations
@@ -72,38 +74,73 @@ def _smollm2_shape(dtype):
     return m.to(dtype).eval().requires_grad_(False)
 
 
-@torch.no_grad()
-def bench_proposer(target, flavor: str, context: int, warmup: int, iters: int) -> tuple[float, float]:
-    """``(eager ms, graphs ms)`` of one DFlash2 proposal after ``context`` committed tokens."""
-    from models.dflash2.args import dflash2_flavors
-    from models.dflash2.model import DFlash2Draft
-    from models.dflash2.proposal import DFlashProposer
+PROPOSALS = ("dflash2", "eagle3", "dspark")
 
+
+def _build_proposal(kind: str, flavor: str, target, device="cuda"):
+    """``(draft, proposer class, extra kwargs)``: a ``kind`` draft of ``flavor`` with random weights
+    over ``target`` (its capture rule, its vocabulary, its frozen tables)."""
     t = target.args
-    layers = [1, t.num_hidden_layers // 2, t.num_hidden_layers - 2]
-    a = replace(dflash2_flavors[flavor], vocab_size=t.vocab_size, target_layer_ids=layers,
-                num_target_layers=t.num_hidden_layers, mask_token_id=t.vocab_size - 1)
-    dtype = next(target.parameters()).dtype
-    with torch.device("cuda"):
-        draft = DFlash2Draft(a)
+    n = t.num_hidden_layers
+    if kind == "eagle3":
+        from models.eagle3 import Eagle3Draft, Eagle3Proposer, eagle3_capture_layers, eagle3_flavors
+
+        a = eagle3_flavors[flavor]
+        a = replace(a, vocab_size=t.vocab_size, target_layer_ids=eagle3_capture_layers(n), num_target_layers=n,
+                    target_hidden_size=t.hidden_size, draft_vocab_size=min(a.draft_vocab_size, t.vocab_size))
+        model_cls, proposer_cls = Eagle3Draft, Eagle3Proposer
+    else:
+        if kind == "dspark":
+            from models.dspark import DSparkDraft as model_cls, DSparkProposer as proposer_cls, dspark_flavors as fl
+        else:
+            from models.dflash2 import DFlash2Draft as model_cls, dflash2_flavors as fl
+            from models.dflash2.proposal import DFlashProposer as proposer_cls
+        a = replace(fl[flavor], vocab_size=t.vocab_size, target_layer_ids=[1, n // 2, n - 2], num_target_layers=n,
+                    mask_token_id=t.vocab_size - 1)
+    with torch.device(device):
+        draft = model_cls(a)
     draft.init_weights()
-    draft = draft.to(dtype).eval()
+    draft = draft.to(next(target.parameters()).dtype).eval()
     draft.load_frozen_tables(target.embed_weight(), target.lm_head_weight())
-    ids = torch.randint(0, t.vocab_size - 1, (1, context), device="cuda")
+    return draft, proposer_cls
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def bench_proposer(target, kind: str, flavor: str, context: int, warmup: int, iters: int, device="cuda",
+                   modes=(False, True)) -> dict[bool, tuple[float, float]]:
+    """``{graphs: (proposal ms, draft round ms)}`` of ``kind`` after ``context`` committed tokens,
+    eager (False) and with the proposal as a CUDA graph (True). The proposal is timed up to its
+    tokens read on the host (the eval reads them); the round adds the eager commit of the round's
+    token (nothing accepted: one token a round), the draft's whole share of a round."""
+    draft, proposer_cls = _build_proposal(kind, flavor, target, device)
+    layers = list(draft.args.target_layer_ids)
+    ids = torch.randint(0, target.args.vocab_size - 1, (1, context + warmup + iters + 1), device=device)
     aux = target.capture(ids, layers, False)[0][0]
-    out = []
-    for graphs in (False, True):
-        p = DFlashProposer(draft, max_len=context + 64, graphs=graphs)
-        p.commit(ids[0], aux)
-        times = []
+    out = {}
+    for graphs in modes:
+        p = proposer_cls(draft, graphs=graphs)
+        p.reset(ids.shape[1] + 64)
+        p.commit(ids[0, :context], aux[:context])
+        proposal, rounds = [], []
         for i in range(warmup + iters):
-            torch.cuda.synchronize()
+            pos = context + i
+            _sync(device)
             t0 = time.perf_counter()
-            p.propose(int(ids[0, i % context])).tolist()  # the eval reads the tokens on the host
+            p.propose(int(ids[0, pos])).tolist()
+            t1 = time.perf_counter()
+            p.commit(ids[0, pos : pos + 1], aux[pos : pos + 1])
+            _sync(device)
             if i >= warmup:
-                times.append((time.perf_counter() - t0) * 1e3)
-        out.append(statistics.median(times))
-    return out[0], out[1]
+                proposal.append((t1 - t0) * 1e3)
+                rounds.append((time.perf_counter() - t0) * 1e3)
+        out[graphs] = (statistics.median(proposal), statistics.median(rounds))
+        del p
+    return out
 
 
 def main(argv=None) -> None:
@@ -114,7 +151,9 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, default=600, help="cached tokens before the timed call")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--draft-flavor", default="smollm2", help="DFlash2 flavor of the proposal case ('': skip)")
+    p.add_argument("--draft-flavor", default="smollm2", help="flavor of the proposal cases ('': skip them)")
+    p.add_argument("--proposals", default=",".join(PROPOSALS),
+                   help=f"comma-separated drafts whose proposals are timed, of {list(PROPOSALS)}")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode: needs a CUDA device (CUDA graphs)")
@@ -128,9 +167,16 @@ def main(argv=None) -> None:
         eager, graphs = bench_case(target, batch, a.context, new, a.warmup, a.iters, logits)
         tokens = batch * (new if logits == "last" and batch > 1 else 1)
         print(f"| {name} | {eager:.2f} | {graphs:.2f} | {eager / graphs:.2f}x | {tokens / graphs * 1e3:.0f} |", flush=True)
-    if a.draft_flavor:
-        eager, graphs = bench_proposer(target, a.draft_flavor, a.context, a.warmup, a.iters)
-        print(f"| DFlash2 {a.draft_flavor} proposal, batch 1 | {eager:.2f} | {graphs:.2f} | {eager / graphs:.2f}x | - |")
+    kinds = [k for k in a.proposals.split(",") if k] if a.draft_flavor else []
+    bad = [k for k in kinds if k not in PROPOSALS]
+    if bad:
+        raise SystemExit(f"bench_decode: --proposals: {bad} not among {list(PROPOSALS)}")
+    for kind in kinds:
+        t = bench_proposer(target, kind, a.draft_flavor, a.context, a.warmup, a.iters)
+        for i, what in enumerate(("proposal", "draft round (proposal + commit of 1 token)")):
+            eager, graphs = t[False][i], t[True][i]
+            print(f"| {kind} `{a.draft_flavor}` {what}, batch 1 | {eager:.2f} | {graphs:.2f} | "
+                  f"{eager / graphs:.2f}x | - |", flush=True)
 
 
 if __name__ == "__main__":

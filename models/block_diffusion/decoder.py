@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from titan_draft.distributed.cuda_graphs import capture_graph, round_slots
+from titan_draft.distributed.cuda_graphs import capture_graph, clone_outputs, round_slots
 
 
 class BlockDecoder:
@@ -113,9 +113,10 @@ class BlockDecoder:
         return d.norm(x)[0]
 
     @torch.no_grad()
-    def run_proposal(self, last_token: int, propose: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def run_proposal(self, last_token: int, propose: Callable[[], torch.Tensor | tuple]) -> torch.Tensor | tuple:
         """``propose()`` (which reads the anchor, the length and the buffers, nothing from the
-        host) anchored at ``last_token``: run eagerly, or replayed from its CUDA graph."""
+        host; it returns a tensor or a tuple of them) anchored at ``last_token``: run eagerly,
+        or replayed from its CUDA graph."""
         self._anchor.fill_(last_token)
         if not self.graphs:
             return propose()
@@ -123,4 +124,4 @@ class BlockDecoder:
             self._graph = capture_graph(propose)
         graph, out = self._graph
         graph.replay()
-        return out.clone()
+        return clone_outputs(out)

@@ -10,6 +10,15 @@ decode (``decode_as="sglang"``, the default, what a user serves). With
 confidence head's ``c_0 .. c_k`` falls below it (DSpark's confidence-scheduled drafting: the
 target is not asked to verify drafts it would likely reject).
 
+The whole proposal (block forward, every slot's Markov step and pick, the running confidence
+product) reads nothing on the host, so on a CUDA device it can replay as a CUDA graph like DFlash's
+(``BlockDecoder``); the confidence cut-off is applied after the replay, from one host read of the
+product. The tokens kept are exactly those of a walk that stops at the first slot below the
+threshold: the chain runs left to right, so a slot's pick never depends on a later slot. The eval
+drafts greedily at every temperature (``titan_draft/decoding/sampling.py``: the draft is a point
+mass), so the same graph serves T > 0. ``graphs=True`` replays it; eager is the default until
+the graphed proposal has been checked and timed on a GPU (``tests/gpu/test_proposals_gpu.py``).
+
 ``decode_as="specforge_spec_generate"`` decodes as SpecForge's reference
 ``DSparkDraftModel.spec_generate`` (a6b6b023) does: ``b - 1`` drafts from slots ``1 .. b - 1``,
 the Markov chain started from the anchor, slot 0 unused. That reads each slot one position
@@ -41,12 +50,13 @@ class DSparkProposer(BlockDecoder):
         decode_as: ``"sglang"`` (slots 0 .. b - 1 draft b tokens; SGLang's DSPARK, the convention
             the draft trains with) or ``"specforge_spec_generate"`` (slots 1 .. b - 1 draft
             b - 1 tokens; SpecForge's reference decoder). Module docstring.
+        graphs: replay proposals as CUDA graphs (needs a CUDA device); off by default (module
+            docstring).
     """
 
     def __init__(self, draft: DSparkDraft, max_len: int = 0, confidence_threshold: float = 0.0,
-                 decode_as: str = "sglang"):
-        # eager: the confidence product is read on the host slot by slot, which a graph cannot do
-        super().__init__(draft, graphs=False)
+                 decode_as: str = "sglang", graphs: bool = False):
+        super().__init__(draft, graphs)
         a = draft.args
         if not 0.0 <= confidence_threshold < 1.0:
             raise ValueError(f"confidence_threshold must be in [0, 1), got {confidence_threshold}")
@@ -66,40 +76,60 @@ class DSparkProposer(BlockDecoder):
         self.needs_last_hidden = False
         self.reset(max_len)
 
-    @torch.no_grad()
-    def walk(self, last_token: int, forced: list[int] | None = None, stop_below: float = 0.0):
-        """``(tokens [<= n], logits [<= n, V], confidence [<= n])`` of the block after
-        ``last_token`` (``n = num_draft_tokens``, from slot ``first_slot`` on): each slot's pick is
-        the next slot's previous token (``forced`` gives them instead). With ``stop_below > 0``
-        the walk ends before the first slot whose confidence product ``c_0 * .. * c_k`` is below
-        it (its Markov step is not computed)."""
+    def _chain(self, hidden: torch.Tensor, forced: torch.Tensor | None = None):
+        """``(tokens [n], logits [n, V], confidence [n], survival [n])`` of every drafting slot of
+        the block rows ``hidden [b, H]``, the chain started from the anchor: each slot's pick (or
+        ``forced[j]``) is the next slot's previous token; ``survival`` is the running product
+        ``c_0 * .. * c_k`` in float64 (the multiplication order of a walk that stops on it).
+        Device tensors only: it may be a graph."""
         d = self.draft
-        hidden = self.block_hidden(last_token)  # [b, H]
         head, w = d.markov_head, d.target_lm_head
-        prev = torch.tensor([last_token], device=self.device)
-        state, survival = None, 1.0
-        tokens, logits, conf = [], [], []
+        prev, state, survival = self._anchor, None, None
+        tokens, logits, conf, surv = [], [], [], []
         for j, k in enumerate(range(self.first_slot, hidden.shape[0])):
             h = hidden[k : k + 1]
             f, e, state = head.step(h, prev, state)
             if d.confidence_head is not None:
                 c = torch.sigmoid(d.confidence_head(h, e).to(self.acc_dtype))
-                survival *= float(c)
-                if survival < stop_below:
-                    break
+                survival = c.double() if survival is None else survival * c.double()
                 conf.append(c)
+                surv.append(survival)
             z = (h.to(w.dtype) @ w.t()).to(self.acc_dtype) + head.markov_w2(f).to(self.acc_dtype)
             pick = z.argmax(dim=-1)
             tokens.append(pick)
             logits.append(z)
-            prev = pick if forced is None else torch.tensor([forced[j]], device=self.device)
-        if not tokens:
-            empty = torch.empty(0, dtype=torch.long, device=self.device)
-            return empty, torch.empty(0, w.shape[0], dtype=self.acc_dtype, device=self.device), \
-                torch.empty(0, dtype=self.acc_dtype, device=self.device)
-        confidence = torch.cat(conf) if conf else torch.ones(len(tokens), dtype=self.acc_dtype, device=self.device)
-        return torch.cat(tokens), torch.cat(logits), confidence
+            prev = pick if forced is None else forced[j : j + 1]
+        tokens, logits = torch.cat(tokens), torch.cat(logits)
+        if not conf:
+            ones = torch.ones(tokens.shape[0], dtype=torch.float64, device=self.device)
+            return tokens, logits, ones.to(self.acc_dtype), ones
+        return tokens, logits, torch.cat(conf), torch.cat(surv)
+
+    @staticmethod
+    def _kept(survival: torch.Tensor, stop_below: float) -> int:
+        """Slots before the first whose confidence product is below ``stop_below`` (one host read)."""
+        if stop_below <= 0:
+            return survival.shape[0]
+        return int((survival >= stop_below).to(torch.long).cumprod(0).sum())
+
+    @torch.no_grad()
+    def walk(self, last_token: int, forced: list[int] | None = None, stop_below: float = 0.0):
+        """``(tokens [<= n], logits [<= n, V], confidence [<= n])`` of the block after
+        ``last_token`` (``n = num_draft_tokens``, from slot ``first_slot`` on), eagerly: each
+        slot's pick is the next slot's previous token (``forced`` gives them instead). With
+        ``stop_below > 0`` only the slots before the first whose confidence product
+        ``c_0 * .. * c_k`` is below it are returned."""
+        hidden = self.block_hidden(last_token)  # [b, H]
+        forced_t = None if forced is None else torch.tensor(forced, dtype=torch.long, device=self.device)
+        tokens, logits, conf, survival = self._chain(hidden, forced_t)
+        keep = self._kept(survival, stop_below)
+        return tokens[:keep], logits[:keep], conf[:keep]
+
+    def _propose(self):
+        """The whole proposal from the anchor, the length and the buffers (graph-safe)."""
+        return self._chain(self.block_hidden())
 
     @torch.no_grad()
     def propose(self, last_token: int) -> torch.Tensor:
-        return self.walk(last_token, stop_below=self.confidence_threshold)[0]
+        tokens, _, _, survival = self.run_proposal(last_token, self._propose)
+        return tokens[: self._kept(survival, self.confidence_threshold)]

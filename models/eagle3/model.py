@@ -40,15 +40,20 @@ class Eagle3Attention(nn.Module):
         """``z [B, T, 2H]`` -> output ``[B, T, H]`` and this step's keys/values, the queries
         attending to ``past`` steps' keys and values followed by their own."""
         bsz, t, _ = z.shape
-        q = self.q_proj(z).view(bsz, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(z).view(bsz, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(z).view(bsz, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q = apply_rope(self.q_proj(z).view(bsz, t, self.n_heads, self.head_dim).transpose(1, 2), *rope)
+        k, v = self.keys_values(z, rope)
         keys = torch.cat([pk for pk, _ in past] + [k], dim=2)
         values = torch.cat([pv for _, pv in past] + [v], dim=2)
         o = attention(q, keys, values, attn_mask)
+        return self.o_proj(o.transpose(1, 2).reshape(bsz, t, -1)), (k, v)
+
+    def keys_values(self, z: torch.Tensor, rope: Rope) -> KV:
+        """This step's rotated keys and values ``[B, Hkv, T, D]`` of ``z [B, T, 2H]``."""
+        bsz, t, _ = z.shape
+        k = self.k_proj(z).view(bsz, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(z).view(bsz, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         # contiguous: the next steps read these, and FSDP2 warns on a block returning views
-        return self.o_proj(o.transpose(1, 2).reshape(bsz, t, -1)), (k, v.contiguous())
+        return apply_rope(k, *rope), v.contiguous()
 
 
 class Eagle3Layer(nn.Module):
@@ -65,10 +70,17 @@ class Eagle3Layer(nn.Module):
         self.mlp = SwiGLU(h, args.intermediate_size)
 
     def forward(self, emb, hidden, rope: Rope, past: list[KV], attn_mask) -> tuple[torch.Tensor, KV]:
-        z = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
-        a, kv = self.self_attn(z, rope, past, attn_mask)
+        a, kv = self.self_attn(self._attention_input(emb, hidden), rope, past, attn_mask)
         h = hidden + a
         return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+    def keys_values(self, emb, hidden, rope: Rope) -> KV:
+        """The keys and values :meth:`forward` would give, without its attention and MLP (a
+        decoder's cache entries of committed positions: nothing reads their outputs)."""
+        return self.self_attn.keys_values(self._attention_input(emb, hidden), rope)
+
+    def _attention_input(self, emb, hidden) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
 
 
 class Eagle3Draft(nn.Module):

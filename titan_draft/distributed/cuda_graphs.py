@@ -41,6 +41,13 @@ def clone_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.clone()
 
 
+def clone_outputs(out):
+    """Copies of a graph's outputs: one tensor, or a tuple / list of them."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    return type(out)(t.clone() for t in out)
+
+
 class CapturedGraph:
     """A captured graph, its input buffer, its output buffers and the tokens one replay adds."""
 
