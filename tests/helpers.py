@@ -363,3 +363,13 @@ def record_whole_tensor_reads() -> list[str]:
 
     sd_mod.safe_open = Recording
     return full_reads
+
+
+class GreedyDrafter:
+    """Base of the tests' scripted proposers: they draft deterministically (point masses), so they
+    ignore the sampling setting and hand no draft distributions to the verify rule."""
+
+    draft_probs = None
+
+    def set_sampling(self, temperature: float, generator=None) -> None:
+        pass

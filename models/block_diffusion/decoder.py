@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from models.common.sampling import DraftSampler
 from titan_draft.distributed.cuda_graphs import capture_graph, clone_outputs, round_slots
 
 
@@ -53,6 +54,14 @@ class BlockDecoder:
         self._masks = torch.full((b - 1,), draft.args.mask_token_id, dtype=torch.long, device=self.device)
         self._block_slots = torch.arange(b, device=self.device)
         self._graph = None
+        self.sampler = DraftSampler(b, self.device)
+        self.draft_probs: torch.Tensor | None = None
+
+    def set_sampling(self, temperature: float, generator: torch.Generator | None = None) -> None:
+        """Draft the greedy chain (``temperature`` 0) or sample from the tempered draft
+        distributions with ``generator``'s uniforms (Proposer protocol)."""
+        if self.sampler.set(temperature, generator):
+            self._graph = None
 
     def reset(self, max_len: int) -> None:
         self.length = 0
@@ -118,6 +127,7 @@ class BlockDecoder:
         host; it returns a tensor or a tuple of them) anchored at ``last_token``: run eagerly,
         or replayed from its CUDA graph."""
         self._anchor.fill_(last_token)
+        self.sampler.draw_uniforms()
         if not self.graphs:
             return propose()
         if self._graph is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from models.common import transform_logits
+from models.common.sampling import inverse_cdf_pick
 from models.block_diffusion.decoder import BlockDecoder
 from models.dflash2.model import DFlash2Draft
 
@@ -28,28 +29,43 @@ class DFlashProposer(BlockDecoder):
         self.reset(max_len)
 
     def propose(self, last_token: int) -> torch.Tensor:
-        return self.run_proposal(last_token, self._propose)
+        tokens, probs = self.run_proposal(last_token, self._propose)
+        self.draft_probs = probs if self.sampler.sampling else None
+        return tokens
 
-    def _propose(self) -> torch.Tensor:
-        """The proposal after the anchor token (device state only: it may be a graph)."""
+    def _propose(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tokens [b - 1], their draft distributions [b - 1, V])`` after the anchor token
+        (device state only: it may be a graph); the distributions are only meaningful when
+        sampling (at T = 0 the logits stand in, unused)."""
         d, a = self.draft, self.draft.args
         hidden = self.block_hidden()[1:]  # slots 1 .. b - 1
         w = d.target_lm_head
         logits = transform_logits((hidden.to(w.dtype) @ w.t()).to(self.acc_dtype),
                                   a.output_multiplier, a.final_logit_softcapping)
         if not a.selector_enabled:
-            return logits.argmax(dim=-1)
+            if not self.sampler.sampling:
+                return logits.argmax(dim=-1), logits
+            # the slots are drafted in parallel: each is drawn from its own q, independently
+            probs = self.sampler.probs(logits)
+            return inverse_cdf_pick(probs, self.sampler.u[: probs.shape[0]]), probs
         return self._selector_walk(hidden, logits)
 
-    def _selector_walk(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Greedy walk over each slot's unary top-K: the pick of slot k is slot k + 1's
-        predecessor (the anchor is slot 1's), as in training's teacher-forced scores."""
+    def _selector_walk(self, hidden: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Walk over each slot's unary top-K: the pick of slot k is slot k + 1's predecessor (the
+        anchor is slot 1's), as in training's teacher-forced scores. Greedy at T = 0; sampling,
+        each pick is drawn from the selector's tempered distribution over the candidates, which
+        is that slot's q (zero outside its candidates)."""
         a = self.draft.args
         values, cands = logits.topk(a.selector_top_k, dim=-1)  # [b - 1, K]
-        picks = []
+        picks, probs = [], []
         prev = self._anchor
         for k in range(hidden.shape[0]):
             scores = self.draft.candidate_selector(hidden[k : k + 1], prev, cands[k : k + 1], values[k : k + 1])
-            prev = cands[k].gather(0, scores[0].argmax().view(1))  # no host sync: graph-safe
+            if self.sampler.sampling:
+                q = self.sampler.probs(scores)  # [1, K]
+                prev = cands[k].gather(0, inverse_cdf_pick(q, self.sampler.u[k : k + 1]))
+                probs.append(torch.zeros_like(logits[k]).scatter(0, cands[k], q[0].to(logits.dtype)))
+            else:
+                prev = cands[k].gather(0, scores[0].argmax().view(1))  # no host sync: graph-safe
             picks.append(prev)
-        return torch.cat(picks)
+        return torch.cat(picks), (torch.stack(probs) if probs else logits)

@@ -14,10 +14,12 @@ The whole proposal (block forward, every slot's Markov step and pick, the runnin
 product) reads nothing on the host, so on a CUDA device it can replay as a CUDA graph like DFlash's
 (``BlockDecoder``); the confidence cut-off is applied after the replay, from one host read of the
 product. The tokens kept are exactly those of a walk that stops at the first slot below the
-threshold: the chain runs left to right, so a slot's pick never depends on a later slot. The eval
-drafts greedily at every temperature (``titan_draft/decoding/sampling.py``: the draft is a point
-mass), so the same graph serves T > 0. ``graphs=True`` replays it; eager is the default until
-the graphed proposal has been checked and timed on a GPU (``tests/gpu/test_proposals_gpu.py``).
+threshold: the chain runs left to right, so a slot's pick never depends on a later slot. At
+T > 0 (``set_sampling``) each slot draws its token from softmax(z_k / T) with a uniform drawn on
+the host before the proposal, and the NEXT slot's Markov input is the drawn token (DSpark's
+definition); the proposal hands those distributions to the verify rule. ``graphs=True``
+replays it; eager is the default until the graphed proposal has been checked and timed on a GPU
+(``tests/gpu/test_proposals_gpu.py``).
 
 ``decode_as="specforge_spec_generate"`` decodes as SpecForge's reference
 ``DSparkDraftModel.spec_generate`` (a6b6b023) does: ``b - 1`` drafts from slots ``1 .. b - 1``,
@@ -95,7 +97,7 @@ class DSparkProposer(BlockDecoder):
                 conf.append(c)
                 surv.append(survival)
             z = (h.to(w.dtype) @ w.t()).to(self.acc_dtype) + head.markov_w2(f).to(self.acc_dtype)
-            pick = z.argmax(dim=-1)
+            pick = self.sampler.pick(z, j)  # argmax at T = 0, else a draw from softmax(z / T)
             tokens.append(pick)
             logits.append(z)
             prev = pick if forced is None else forced[j : j + 1]
@@ -131,5 +133,8 @@ class DSparkProposer(BlockDecoder):
 
     @torch.no_grad()
     def propose(self, last_token: int) -> torch.Tensor:
-        tokens, _, _, survival = self.run_proposal(last_token, self._propose)
-        return tokens[: self._kept(survival, self.confidence_threshold)]
+        tokens, logits, _, survival = self.run_proposal(last_token, self._propose)
+        keep = self._kept(survival, self.confidence_threshold)
+        # sampling: each slot's q is softmax(z_k / T) with z_k read after the SAMPLED previous token
+        self.draft_probs = self.sampler.probs(logits[:keep]) if self.sampler.sampling else None
+        return tokens[:keep]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from models.eagle3.model import Eagle3Draft
+from models.common.sampling import DraftSampler
 from titan_draft.distributed.cuda_graphs import capture_graph, clone_outputs, round_slots
 
 
@@ -60,7 +61,15 @@ class Eagle3Proposer:
         # the chain's own keys and the query's: always visible
         self._chain_visible = torch.ones(self.num_draft_tokens, dtype=torch.bool, device=self.device)
         self._graph = None
+        self.sampler = DraftSampler(self.num_draft_tokens, self.device)
+        self.draft_probs: torch.Tensor | None = None
         self.reset(0)
+
+    def set_sampling(self, temperature: float, generator: torch.Generator | None = None) -> None:
+        """Draft the greedy chain (``temperature`` 0) or sample each step from its tempered
+        distribution, the next step reading the drawn token (Proposer protocol)."""
+        if self.sampler.set(temperature, generator):
+            self._graph = None
 
     def reset(self, max_len: int) -> None:
         self.length = 0  # positions whose step-0 entry is in the cache
@@ -136,7 +145,8 @@ class Eagle3Proposer:
         picks, logits, outs, chain = [], [], [out], []
         for j in range(self.num_draft_tokens):
             logits.append(d.lm_head(d.norm(out)).to(self.acc_dtype)[0, -1])
-            picks.append(self.ids[logits[-1].argmax().view(1)])  # a 0-dim index would sync
+            # argmax, or a draw from softmax(z / T); a 1-element index (a 0-dim one would sync)
+            picks.append(self.ids[self.sampler.pick(logits[-1][None], j)])
             if j + 1 == self.num_draft_tokens:
                 break
             token = picks[-1] if forced is None else forced[j]
@@ -149,6 +159,7 @@ class Eagle3Proposer:
         if not self.has_pending:
             raise RuntimeError("Eagle3Proposer: commit the prompt before proposing")
         self._token.fill_(last_token)
+        self.sampler.draw_uniforms()
 
     def _end_chain(self) -> None:
         self.length += 1
@@ -184,4 +195,10 @@ class Eagle3Proposer:
         return picks, logits
 
     def propose(self, last_token: int) -> torch.Tensor:
-        return self.propose_with_logits(last_token)[0]
+        picks, logits = self.propose_with_logits(last_token)
+        self.draft_probs = None
+        if self.sampler.sampling:  # q over the target vocabulary: zero outside the draft's
+            q = self.sampler.probs(logits)
+            self.draft_probs = q.new_zeros(q.shape[0], self.draft.target_lm_head.shape[0])
+            self.draft_probs[:, self.ids] = q
+        return picks

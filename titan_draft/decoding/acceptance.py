@@ -70,6 +70,8 @@ class PromptReport:
     proposed: list[int] = field(default_factory=list, repr=False)
     """Draft tokens proposed in each round (fewer than num_draft_tokens where a proposer stops
     early, e.g. on its confidence)."""
+    sampled_rounds: int = 0
+    """Rounds whose drafts were drawn from the draft's distributions (T > 0, a sampling proposer)."""
 
 
 @dataclass
@@ -86,6 +88,15 @@ class EvalReport:
     @property
     def rounds(self) -> int:
         return sum(p.rounds for p in self.prompts)
+
+    @property
+    def draft_sampling(self) -> str:
+        """"greedy" (T = 0), "q" (drafts drawn from the draft's distributions and verified with
+        them), "point mass" (the proposer drafted its greedy chain at T > 0), or "mixed"."""
+        if self.temperature <= 0:
+            return "greedy"
+        sampled = sum(p.sampled_rounds for p in self.prompts)
+        return "q" if sampled == self.rounds else "point mass" if sampled == 0 else "mixed"
 
     @property
     def tau(self) -> float:
@@ -127,6 +138,7 @@ class EvalReport:
             "num_draft_tokens": self.num_draft_tokens,
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
+            "draft_sampling": self.draft_sampling,
             "accept_rate": self.accept_rate(),
             "proposed_per_round": sum(sum(p.proposed) for p in self.prompts) / max(self.rounds, 1),
             "speculative_tokens_per_s": spec,
@@ -142,7 +154,8 @@ class EvalReport:
     def table(self) -> str:
         """A short human-readable report."""
         s = self.summary()
-        mode = "greedy" if self.temperature <= 0 else f"sampling at T={self.temperature:g}"
+        mode = "greedy" if self.temperature <= 0 else \
+            f"sampling at T={self.temperature:g}, drafts {'drawn from q' if self.draft_sampling == 'q' else 'as ' + self.draft_sampling}"
         lines = [f"true acceptance length ({mode}, batch 1, {s['max_new_tokens']} new tokens): "
                  f"tau {s['tau']:.3f} over {s['num_prompts']} prompts ({s['rounds']} verify rounds, "
                  f"{s['new_tokens']} tokens; per-prompt mean {s['tau_prompt_mean']:.3f}; "
@@ -172,6 +185,7 @@ def _prompt_report(prompt: EvalPrompt, spec, greedy, divergence: Divergence | No
         name=prompt.name, prompt_tokens=len(prompt.ids), new_tokens=len(spec.tokens), rounds=spec.rounds,
         round_tokens=spec.round_tokens, tau=spec.round_tokens / max(spec.rounds, 1),
         speculative_s=spec.wall_s, accepted=list(spec.accepted), proposed=list(spec.proposed),
+        sampled_rounds=spec.sampled_rounds,
     )
     if greedy is not None:
         rep.greedy_s = greedy.wall_s

@@ -2,19 +2,21 @@
 
 Greedy speculative decoding (``speculative.py``) is checked token for token. At T > 0 the target's
 output is random, so what must hold is that speculative decoding draws every sequence with the
-probability plain sampling gives it (the rejection rule of Leviathan et al. / Chen et al.). Our
-proposers draft deterministically (their greedy chain), i.e. the draft distribution q_i is a point
-mass on the drafted token d_i, for which the rule reads: with p_i the target's tempered
-distribution after the i-th input of the verify pass,
+probability plain sampling gives it (the rejection rule of Leviathan et al. / Chen et al.). With
+p_i the target's tempered distribution after the i-th input of the verify pass and q_i the draft
+distribution the i-th drafted token d_i was drawn from (given the drafts before it):
 
-- accept d_i with probability min(1, p_i(d_i) / q_i(d_i)) = p_i(d_i);
+- accept d_i with probability min(1, p_i(d_i) / q_i(d_i));
 - at the first rejection, draw the round's last token from the residual max(p_i - q_i, 0),
-  renormalized, which is p_i with d_i removed;
+  renormalized;
 - if all n drafts are accepted, draw the bonus token from p_n.
 
-Then P(first new token = t) = p_0(d_0) [t = d_0] + (1 - p_0(d_0)) p_0(t) / (1 - p_0(d_0)) [t != d_0]
-= p_0(t), and so on along the sequence: the output is distributed exactly as plain sampling's.
-τ is counted as in the greedy loop (tokens produced by verification rounds / rounds).
+Then P(first new token = t) = min(q_0(t), p_0(t)) + (1 - sum_v min(p_0, q_0)(v)) * residual_0(t)
+= p_0(t), and so on along the sequence: the output is distributed exactly as plain sampling's, and
+a draft's chance of acceptance is sum_v min(p_i, q_i)(v) = 1 - TV(p_i, q_i). Proposers that sample
+(``Proposer.set_sampling``) hand over their q_i (``draft_probs``); a proposer that drafts its greedy
+chain is a point mass on d_i, for which the rule reads: accept with p_i(d_i), residual p_i with d_i
+removed. tau is counted as in the greedy loop (tokens produced by verification rounds / rounds).
 """
 
 from __future__ import annotations
@@ -37,27 +39,34 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def verify_sampled(draft: torch.Tensor, probs: torch.Tensor,
-                   generator: torch.Generator | None = None) -> tuple[int, int]:
-    """One round's rejection rule (module docstring) for deterministic drafts.
+def verify_sampled(draft: torch.Tensor, probs: torch.Tensor, generator: torch.Generator | None = None,
+                   q: torch.Tensor | None = None) -> tuple[int, int]:
+    """One round's rejection rule (module docstring).
 
     Args:
         draft: ``[n]`` drafted tokens.
         probs: ``[n + 1, V]`` the target's tempered distributions after each verify input (the
             committed token, then each drafted token).
         generator: the sampling stream (CPU).
+        q: ``[n, V]`` the distributions the drafts were drawn from; None: point masses (greedy
+            drafts).
 
     Returns:
         ``(m, token)``: the number of accepted drafts and the round's own last token (the
         residual draw at the first rejection, else the bonus draw from ``probs[n]``).
     """
     n = draft.numel()
+    rows = torch.arange(n, device=probs.device)
+    if q is None:
+        q = torch.zeros_like(probs[:n]).index_put_((rows, draft), torch.ones(n, dtype=probs.dtype))
+    q = q.to(probs)
+    if q.shape != probs[:n].shape:
+        raise ValueError(f"draft distributions of shape {tuple(q.shape)} for {n} drafts over {probs.shape[-1]} tokens")
     u = torch.rand(n, generator=generator, dtype=probs.dtype, device=probs.device)
-    p_draft = probs[torch.arange(n, device=probs.device), draft]
+    p_draft, q_draft = probs[rows, draft], q[rows, draft]
     for i in range(n):
-        if u[i] >= p_draft[i]:
-            residual = probs[i].clone()
-            residual[draft[i]] = 0.0
+        if u[i] * q_draft[i] >= p_draft[i]:  # rejected: u >= p / q
+            residual = (probs[i] - q[i]).clamp_(min=0.0)
             return i, _draw(residual / residual.sum(), generator)
     return n, _draw(probs[n], generator)
 
@@ -78,9 +87,10 @@ class SampledRule:
     def first(self, logits: torch.Tensor) -> int:
         return _draw(tempered_probs(logits, self.temperature).cpu(), self.generator)
 
-    def verify(self, draft: torch.Tensor, logits: torch.Tensor) -> tuple[int, list[int]]:
+    def verify(self, draft: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None = None) -> tuple[int, list[int]]:
         draft = draft.cpu()
-        m, token = verify_sampled(draft, tempered_probs(logits, self.temperature).cpu(), self.generator)
+        probs = tempered_probs(logits, self.temperature).cpu()
+        m, token = verify_sampled(draft, probs, self.generator, None if q is None else q.cpu())
         return m, draft[:m].tolist() + [token]
 
 

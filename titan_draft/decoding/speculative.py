@@ -39,6 +39,8 @@ class Generation:
     """Draft tokens accepted in each round (the bonus token not included)."""
     proposed: list[int] = field(default_factory=list)
     """Draft tokens proposed in each round."""
+    sampled_rounds: int = 0
+    """Rounds whose drafts were drawn from the draft's distributions (verified with them)."""
     margins: list[float] = field(default_factory=list)
     """Plain greedy only: top-1 minus top-2 logit of every step (how near a tie each choice was)."""
 
@@ -92,13 +94,18 @@ class GreedyRule:
     """How a round's tokens are chosen from the target's logits: the greedy rule (module
     docstring). ``speculative_sampling.SampledRule`` is the T > 0 one."""
 
+    temperature = 0.0
+    generator = None
+
     def first(self, logits: torch.Tensor) -> int:
         """The prefill's token from the logits ``[V]`` after the prompt."""
         return int(logits.argmax())
 
-    def verify(self, draft: torch.Tensor, logits: torch.Tensor) -> tuple[int, list[int]]:
+    def verify(self, draft: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None = None) -> tuple[int, list[int]]:
         """``(accepted drafts m, the round's m + 1 tokens)`` from ``draft [n]`` and the logits
-        ``[n + 1, V]`` after the verify pass's inputs."""
+        ``[n + 1, V]`` after the verify pass's inputs (``q``: None, greedy drafts)."""
+        if q is not None:
+            raise ValueError("greedy verification got draft distributions: the proposer is sampling at T = 0")
         choice = logits.argmax(dim=-1)  # the target's token after each input token
         n = draft.numel()
         m = int((draft == choice[:n]).to(torch.long).cumprod(0).sum()) if n else 0
@@ -118,6 +125,7 @@ def speculative_decode(target, proposer: Proposer, prompt: list[int], max_new_to
     start = time.perf_counter()
     cache = target.new_cache(1, max_len)
     proposer.reset(max_len)
+    proposer.set_sampling(rule.temperature, rule.generator)
     inp = torch.tensor(prompt, device=device)
     step = target(inp[None], layers, need_last, cache=cache, logits="last")
     proposer.commit(inp, step.aux[0], step.last_hidden[0] if need_last else None)
@@ -131,7 +139,9 @@ def speculative_decode(target, proposer: Proposer, prompt: list[int], max_new_to
         n = draft.numel()
         inp = torch.cat([torch.tensor([last], device=device), draft])
         step = target(inp[None], layers, need_last, cache=cache, logits="all")
-        m, new = rule.verify(draft, step.logits[0])
+        q = proposer.draft_probs
+        m, new = rule.verify(draft, step.logits[0], q)
+        out.sampled_rounds += q is not None
         cache.crop(cache.length - (n - m))
         proposer.commit(inp[: m + 1], step.aux[0, : m + 1],
                         step.last_hidden[0, : m + 1] if need_last else None)

@@ -39,5 +39,15 @@ class Proposer(Protocol):
         """Append committed tokens ``token_ids [n]`` with the target's capture-layer outputs at
         their positions ``aux [n, K*H]`` (and ``last_hidden [n, H]`` when asked for)."""
 
+    draft_probs: torch.Tensor | None
+    """After a ``propose`` while sampling: ``[n, V]`` the draft distribution q_i (over the target
+    vocabulary) each drafted token was drawn from, given the tokens drafted before it; None when
+    the draft is deterministic (greedy chain: a point mass on each token)."""
+
+    def set_sampling(self, temperature: float, generator: torch.Generator | None = None) -> None:
+        """Draft the greedy chain (``temperature`` 0) or draw each token from the draft's
+        ``softmax(z / temperature)`` with ``generator`` (the eval's seeded stream), setting
+        ``draft_probs``. Called before each sequence."""
+
     def propose(self, last_token: int) -> torch.Tensor:
         """Draft tokens ``[<= num_draft_tokens]`` (int64) to follow ``last_token``."""

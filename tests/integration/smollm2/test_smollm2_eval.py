@@ -25,6 +25,7 @@ from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.eval import main as eval_main
 from titan_draft.train import Trainer
 from helpers import REPO
+from tests.helpers import GreedyDrafter
 
 CPU = torch.device("cpu")
 NEW = 24
@@ -51,7 +52,7 @@ def test_random_draft_is_lossless(smollm2):
     assert report.lossless == 3 and report.tau >= 1.0
 
 
-class AlmostRight:
+class AlmostRight(GreedyDrafter):
     """Drafts the target's greedy continuation but gets its third token wrong: every round
     accepts exactly two tokens."""
 

@@ -15,6 +15,7 @@ from models.targets.qwen3 import Qwen3Model, qwen3_flavors
 from titan_draft.decoding.acceptance import evaluate
 from titan_draft.decoding.speculative import compare, greedy_decode, speculative_decode
 from titan_draft.data.chat.prompts import EvalPrompt
+from tests.helpers import GreedyDrafter
 
 CPU = torch.device("cpu")
 VOCAB = 257
@@ -31,7 +32,7 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB - 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-class ScriptedProposer:
+class ScriptedProposer(GreedyDrafter):
     """Knows the plain greedy continuation ``truth`` of ``prompt`` and drafts its next tokens,
     the first ``right`` of them correct and the rest deliberately wrong."""
 

@@ -171,3 +171,67 @@ def test_graphs_need_a_gpu(target):
     with pytest.raises(ValueError, match="graphs=True needs a CUDA device, the draft is on cpu"):
         DFlashProposer(_draft(target, "debugmodel"), graphs=True)
     assert not DFlashProposer(_draft(target, "debugmodel")).graphs  # the default off a CUDA device
+
+
+def _inverse_cdf(q: torch.Tensor, u: float) -> int:
+    """The first token whose cumulative probability exceeds u (plain loop)."""
+    acc = 0.0
+    for t, p in enumerate(q.tolist()):
+        acc += p
+        if acc > u * float(q.sum()):
+            return t
+    return q.numel() - 1
+
+
+@torch.no_grad()
+def test_dflash_samples_each_slot_from_its_own_distribution(target):
+    """At T > 0 each slot is drawn independently from softmax(unary / T) with the uniforms of the
+    eval's generator, and the proposal hands those distributions to the verify rule."""
+    draft = _draft(target, "dflash_debugmodel", output_multiplier=0.7, final_logit_softcapping=3.0)
+    ids = _ids(20)
+    proposer = DFlashProposer(draft)
+    proposer.commit(ids[0, :19], target.capture(ids[:, :19], LAYERS, False)[0][0])
+    proposer.set_sampling(1.5, torch.Generator().manual_seed(3))
+    got = proposer.propose(int(ids[0, 19])).tolist()
+    q = torch.softmax(_unary(draft, proposer.block_hidden(int(ids[0, 19]))[1:]) / 1.5, dim=-1)
+    torch.testing.assert_close(proposer.draft_probs, q, rtol=0, atol=1e-12)
+    u = torch.rand(draft.args.block_size, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    assert got == [_inverse_cdf(q[k], float(u[k])) for k in range(len(got))]
+    assert got != q.argmax(-1).tolist()  # a draw, not the greedy chain
+    proposer.set_sampling(0.0, None)
+    assert proposer.propose(int(ids[0, 19])).tolist() == q.argmax(-1).tolist() and proposer.draft_probs is None
+
+
+@torch.no_grad()
+def test_dflash2_selector_samples_its_chain(target):
+    """At T > 0 slot k's pick is drawn from the selector's softmax(scores / T) over its unary
+    top-K, the previous slot's DRAWN token as the predecessor; q is that distribution on the
+    candidates and zero elsewhere."""
+    draft = _draft(target, "debugmodel")
+    a, sel = draft.args, draft.candidate_selector
+    with torch.no_grad():
+        sel.successor_codebook.normal_(0.0, 3.0)
+        sel.predecessor_codebook.normal_(0.0, 3.0)
+    ids = _ids(17)
+    proposer = DFlashProposer(draft)
+    proposer.commit(ids[0, :16], target.capture(ids[:, :16], LAYERS, False)[0][0])
+    anchor, temp = int(ids[0, 16]), 2.0
+    hidden = proposer.block_hidden(anchor)[1:]
+    unary = _unary(draft, hidden)
+    differs = False
+    for seed in range(6):
+        proposer.set_sampling(temp, torch.Generator().manual_seed(seed))
+        got = proposer.propose(anchor).tolist()
+        u = torch.rand(a.block_size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        prev = anchor
+        for k in range(a.block_size - 1):
+            vals, cands = unary[k].topk(a.selector_top_k)
+            query = sel.predecessor_codebook[prev] * (sel.hidden_projection.weight @ hidden[k])
+            qc = torch.softmax((vals + sel.successor_codebook[cands] @ query) / temp, dim=0)
+            want = torch.zeros(VOCAB, dtype=torch.float64).scatter(0, cands, qc)
+            torch.testing.assert_close(proposer.draft_probs[k], want, rtol=0, atol=1e-12)
+            assert got[k] == int(cands[_inverse_cdf(qc, float(u[k]))])
+            prev = got[k]
+        proposer.set_sampling(0.0)
+        differs |= got != proposer.propose(anchor).tolist()
+    assert differs
