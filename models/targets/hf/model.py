@@ -21,6 +21,7 @@ from torch import nn
 from models.common import full_tensor
 from models.targets.hf.args import HFTargetArgs
 from models.targets.hf.cache import HFDecodeCache
+from models.targets.hf.serving import check_serving_conventions
 from models.targets.qwen3.cache import DecodeStep
 from titan_draft.protocols.target_spec import check_capture_layer_ids
 
@@ -184,6 +185,7 @@ def load_hf_target(folder: str, *, dtype: torch.dtype, device, mesh=None) -> HFT
     with open(os.path.join(folder, "config.json")) as f:
         hf_config = json.load(f)
     args = HFTargetArgs.from_hf_config(hf_config)
+    check_serving_conventions(hf_config)
     try:
         # the family's default attention kernel: transformers itself refuses one that cannot
         # compute the family (Gemma2's soft-capped scores need its eager kernel)
