@@ -39,6 +39,11 @@ def gemma3(tmp_path_factory):
     return folder
 
 
+def _config(folder: str) -> dict:
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)
+
+
 def _checkpoint_table(folder: str, name: str = "model.embed_tokens.weight") -> torch.Tensor:
     from safetensors import safe_open
 
@@ -88,11 +93,11 @@ def test_teacher_logits_of_last_hidden_equal_transformers_without_head_transform
     with torch.no_grad():
         want = hf(IDS).logits
     torch.testing.assert_close(last @ model.lm_head_weight().t(), want, rtol=1e-4, atol=1e-4)
-    assert head_transforms(json.load(open(os.path.join(mistral, "config.json")))) == []
+    assert head_transforms(_config(mistral)) == []
 
 
 def test_soft_capped_head_refuses_a_draft_with_a_teacher_at_start_up(gemma2):
-    hf_config = json.load(open(os.path.join(gemma2, "config.json")))
+    hf_config = _config(gemma2)
     model = load_target(gemma2, dtype=torch.float32, backend="transformers")
     _, last = model.capture(IDS, [0])
     with torch.no_grad():
