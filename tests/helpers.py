@@ -373,3 +373,35 @@ class GreedyDrafter:
 
     def set_sampling(self, temperature: float, generator=None) -> None:
         pass
+
+
+# a family's own turn markers, no ChatML tokens: 'auto' renders with the folder's template. Gemma2's
+# marks its answers ({% generation %}), Mistral's does not (the render-twice rule finds them).
+_HF_ONLY_TEMPLATE = (
+    "{%- for m in messages %}{%- if m['role'] == 'assistant' %}<turn model>\n{% generation %}{{ m['content'] }}"
+    "{{ eos_token }}{% endgeneration %}\n{%- else %}<turn {{ m['role'] }}>\n{{ m['content'] }}\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<turn model>\n{% endif %}"
+)
+HF_ONLY_TEMPLATES = {"gemma2": _HF_ONLY_TEMPLATE,
+                     "mistral": _HF_ONLY_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")}
+
+
+def write_hf_only_chat_target(folder, family: str, num_layers: int = 4) -> str:
+    """``write_hf_only_target`` with a tokenizer (the Qwen BPE cut to its first 4000 ranks, so the
+    run stays fast; <|endoftext|> and <|im_end|>, the eos, its only special tokens) and the family's
+    chat template of HF_ONLY_TEMPLATES: a folder a training job runs on."""
+    import tiktoken
+
+    from titan_draft.data.tokenizer import Tokenizer, build_tokenizer
+    from titan_draft.data.tokenizer.hf_save import save_hf_tokenizer
+
+    qwen = build_tokenizer("qwen3")
+    ranks = {b: r for b, r in qwen.encoding._mergeable_ranks.items() if r < 4000}
+    enc = tiktoken.Encoding(name="hf-only-test", pat_str=qwen.encoding._pat_str, mergeable_ranks=ranks,
+                            special_tokens={"<|endoftext|>": 4000, "<|im_end|>": 4001})
+    tokenizer = Tokenizer("hf-only-test", enc, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                          chat_template=HF_ONLY_TEMPLATES[family])
+    write_hf_only_target(folder, family, vocab_size=tokenizer.n_vocab + 16, num_layers=num_layers,
+                         max_shard_size="2GB")
+    save_hf_tokenizer(tokenizer, str(folder))
+    return str(folder)

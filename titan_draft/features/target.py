@@ -16,6 +16,7 @@ from torch import nn
 from titan_draft.config.sources import describe_source
 from titan_draft.features.synthetic import build_synthetic_target, is_synthetic_target
 from titan_draft.protocols import TargetFeatures
+from titan_draft.protocols.model_spec import get_model_spec
 from titan_draft.protocols.target_spec import (
     TargetBundle,
     get_target_spec,
@@ -44,6 +45,9 @@ def check_target_config(cfg) -> None:
             if importlib.util.find_spec("transformers") is None:  # before any process group starts
                 raise ValueError("target.backend = 'transformers' needs the transformers package: "
                                  "pip install transformers")
+            check_job = get_target_spec("transformers").check_job
+            if check_job is not None:  # the draft's needs decide what serving must match
+                check_job(hf_config, needs_teacher=get_model_spec(cfg.model.name).needs_last_hidden)
             hf_config = hf_config.get("text_config") or hf_config
         build_target_tokenizer(cfg, hf_config.get("vocab_size", 0))  # cached for the trainer
     elif not t.flavor:

@@ -58,6 +58,10 @@ class TargetSpec:
     """The optional ``config.json`` features this family implements (``attention_bias``,
     ``mlp_bias``, ``use_sliding_window``): a folder that turns on any other one is refused
     when it is read, since the model would load and then compute something else."""
+    check_job: Callable[..., None] | None = None
+    """(config.json dict, *, needs_teacher) -> None: ValueError in one line when a draft trained on
+    this folder would see at serving other embeddings or teacher logits than in training
+    (``needs_teacher``: the draft distils ``last_hidden @ lm_head.T``). Run at start-up."""
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from models.targets.hf.args import HFTargetArgs
 from models.targets.hf.model import HFTarget, load_hf_target
+from models.targets.hf.serving import check_serving_conventions
 from models.targets.hf.tables import load_hf_tables
 from titan_draft.protocols.target_spec import TargetSpec, register_target_spec
 
@@ -25,6 +26,7 @@ register_target_spec(
         load_hf_state_dict=_no_state_dict,
         load_folder=load_hf_target,
         load_tables=load_hf_tables,
+        check_job=check_serving_conventions,
     )
 )
 

@@ -21,6 +21,12 @@ from torch import nn
 from models.common import full_tensor
 from models.targets.hf.args import HFTargetArgs
 from models.targets.hf.cache import HFDecodeCache
+from models.targets.hf.serving import check_serving_conventions
+from models.targets.hf.sharded import (
+    allocate_keeping_buffers,
+    load_sharded_parameters,
+    params_on_meta,
+)
 from models.targets.qwen3.cache import DecodeStep
 from titan_draft.protocols.target_spec import check_capture_layer_ids
 
@@ -184,21 +190,29 @@ def load_hf_target(folder: str, *, dtype: torch.dtype, device, mesh=None) -> HFT
     with open(os.path.join(folder, "config.json")) as f:
         hf_config = json.load(f)
     args = HFTargetArgs.from_hf_config(hf_config)
+    check_serving_conventions(hf_config)
+    sharded = mesh is not None and mesh.size() > 1
     try:
         # the family's default attention kernel: transformers itself refuses one that cannot
         # compute the family (Gemma2's soft-capped scores need its eager kernel)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
+        if sharded:  # parameters on meta: each rank reads only its rows below
+            config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+            with params_on_meta():
+                hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        else:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
     except (OSError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"target.path: transformers cannot load {folder}: {first}") from None
     hf.requires_grad_(False)
     hf.eval()
     model = HFTarget(hf, args)
-    if mesh is not None and mesh.size() > 1:
+    if sharded:
         from titan_draft.distributed.parallelize import apply_fsdp_frozen
 
-        # fully_shard moves each rank's shard to the mesh's device; the rest stays on the host
         apply_fsdp_frozen(model, mesh, blocks=model.layers, param_dtype=dtype)
+        allocate_keeping_buffers(model, device)
+        load_sharded_parameters(hf, folder)
     model.to(device)
     logger.info("target: %s (%s) through transformers, attention %s, %d layers", folder, args.model_type,
                 hf.config._attn_implementation, args.num_hidden_layers)

@@ -31,8 +31,11 @@ def load_hf_tables(folder: str, args) -> tuple[torch.Tensor, torch.Tensor]:
     from safetensors import safe_open
 
     from models.targets.hf.model import import_transformers
+    from models.targets.hf.serving import check_serving_conventions
 
     transformers = import_transformers()
+    with open(os.path.join(folder, "config.json")) as f:
+        check_serving_conventions(json.load(f))
     config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)

@@ -1,5 +1,6 @@
 """target.backend = "transformers" sharded over two gloo ranks (FSDP2 per decoder layer) captures
-what one unsharded process captures, each rank holding about half of the weights."""
+what one unsharded process captures, each rank holding about half of the weights and reading only
+its rows from disk (never the whole folder, never a whole tensor)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from helpers import (
     HF_ONLY_FAMILIES,
+    record_whole_tensor_reads,
     spawn_ranks,
     write_hf_only_target,
     write_rank_result,
@@ -38,15 +40,34 @@ def _worker(rank: int, port: int, root: str) -> None:
     from torch.distributed.tensor import DTensor
 
     def compute():
+        import transformers
+
+        def no_whole_folder(*a, **k):
+            raise AssertionError("a rank loaded the whole folder with from_pretrained")
+
+        transformers.AutoModelForCausalLM.from_pretrained = no_whole_folder
+        whole_reads = record_whole_tensor_reads()
+        import models.targets.qwen3.state_dict as st
+
+        copied = []  # bytes each copy from disk wrote into this rank's tensors
+        real_copy = st._copy_from_file
+
+        def counting_copy(dst, f, key, row=None):
+            copied.append(dst.to_local().numel() * dst.element_size())
+            return real_copy(dst, f, key, row)
+
+        st._copy_from_file = counting_copy
         dist.init_process_group("gloo")
         mesh = init_device_mesh("cpu", (2,))
         result = {}
         for family in HF_ONLY_FAMILIES:
+            copied.clear()
             model = load_target(os.path.join(root, family), dtype=torch.float32, mesh=mesh, backend="transformers")
             assert all(isinstance(p, DTensor) for p in model.parameters())
             torch.save(_capture(model), os.path.join(root, f"{family}{rank}.pt"))
             result[family] = {"local": sum(p.to_local().numel() for p in model.parameters()),
-                              "total": sum(p.numel() for p in model.parameters())}
+                              "total": sum(p.numel() for p in model.parameters()), "whole_reads": list(whole_reads),
+                              "read_bytes": sum(copied), "total_bytes": 4 * sum(p.numel() for p in model.parameters())}
         dist.destroy_process_group()
         return result
 
@@ -64,6 +85,8 @@ def test_sharded_hf_targets_capture_what_one_rank_captures(tmp_path):
             info = json.loads((tmp_path / f"rank{rank}.json").read_text())
             assert "error" not in info, info["error"]
             assert info[family]["local"] < 0.6 * info[family]["total"]
+            assert info[family]["whole_reads"] == []  # only this rank's rows of each tensor were read
+            assert 0 < info[family]["read_bytes"] < 0.6 * info[family]["total_bytes"]
             got = torch.load(tmp_path / f"{family}{rank}.pt")
             for key, value in want.items():
                 torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=f"{family} {key} rank {rank}")

@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from helpers import HF_ONLY_FAMILIES, debug_job_argv, write_hf_only_target
+from helpers import HF_ONLY_FAMILIES, debug_job_argv, write_hf_only_chat_target
 
 from titan_draft.config import ConfigManager
 from titan_draft.distributed.utils import destroy_distributed
@@ -17,45 +17,11 @@ from titan_draft.train import Trainer
 pytest.importorskip("transformers")
 
 
-# a family's own turn markers, no ChatML tokens: 'auto' renders with the folder's template. Gemma2's
-# marks its answers ({% generation %}), Mistral's does not (the render-twice rule finds them).
-TEMPLATE = (
-    "{%- for m in messages %}{%- if m['role'] == 'assistant' %}<turn model>\n{% generation %}{{ m['content'] }}"
-    "{{ eos_token }}{% endgeneration %}\n{%- else %}<turn {{ m['role'] }}>\n{{ m['content'] }}\n{% endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<turn model>\n{% endif %}"
-)
-TEMPLATES = {"gemma2": TEMPLATE,
-             "mistral": TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")}
-
-
-def _tokenizer(template: str):
-    """The Qwen BPE cut to its first 4000 ranks (a small vocabulary keeps the run fast), with
-    <|endoftext|> and <|im_end|> (the eos) as its only special tokens."""
-    import tiktoken
-
-    from titan_draft.data.tokenizer import Tokenizer, build_tokenizer
-
-    qwen = build_tokenizer("qwen3")
-    ranks = {b: r for b, r in qwen.encoding._mergeable_ranks.items() if r < 4000}
-    enc = tiktoken.Encoding(name="hf-only-test", pat_str=qwen.encoding._pat_str, mergeable_ranks=ranks,
-                            special_tokens={"<|endoftext|>": 4000, "<|im_end|>": 4001})
-    return Tokenizer("hf-only-test", enc, pad_token="<|endoftext|>", eos_token="<|im_end|>", chat_template=template)
-
-
 @pytest.fixture(scope="module")
 def hf_targets(tmp_path_factory) -> dict[str, str]:
     """Random-weight folders with their own tokenizer and chat template."""
-    from titan_draft.data.tokenizer.hf_save import save_hf_tokenizer
-
     root = tmp_path_factory.mktemp("hf_targets")
-    folders = {}
-    for family in HF_ONLY_FAMILIES:
-        tokenizer = _tokenizer(TEMPLATES[family])
-        folder = write_hf_only_target(root / family, family, vocab_size=tokenizer.n_vocab + 16, num_layers=4,
-                                      max_shard_size="2GB")
-        save_hf_tokenizer(tokenizer, folder)
-        folders[family] = folder
-    return folders
+    return {family: write_hf_only_chat_target(root / family, family) for family in HF_ONLY_FAMILIES}
 
 
 @pytest.mark.parametrize("family", sorted(HF_ONLY_FAMILIES))
