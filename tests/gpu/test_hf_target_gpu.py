@@ -8,12 +8,8 @@ import math
 
 import pytest
 import torch
-from helpers import (
-    HF_ONLY_FAMILIES,
-    debug_job_argv,
-    write_hf_only_chat_target,
-    write_hf_only_target,
-)
+from helpers import debug_job_argv
+from hf_folders import HF_ONLY_FAMILIES, write_hf_only_chat_target, write_hf_only_target
 
 from titan_draft.config import ConfigManager
 from titan_draft.distributed.utils import destroy_distributed

@@ -9,13 +9,8 @@ import os
 
 import pytest
 import torch
-from helpers import (
-    HF_ONLY_FAMILIES,
-    record_whole_tensor_reads,
-    spawn_ranks,
-    write_hf_only_target,
-    write_rank_result,
-)
+from helpers import record_whole_tensor_reads, spawn_ranks, write_rank_result
+from hf_folders import HF_ONLY_FAMILIES, write_hf_only_target
 
 from titan_draft.features.target import load_target
 

@@ -25,7 +25,7 @@ from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.eval import main as eval_main
 from titan_draft.train import Trainer
 from helpers import REPO
-from tests.helpers import GreedyDrafter
+from helpers import GreedyDrafter
 
 CPU = torch.device("cpu")
 NEW = 24

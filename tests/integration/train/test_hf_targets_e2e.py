@@ -7,7 +7,8 @@ import json
 import math
 
 import pytest
-from helpers import HF_ONLY_FAMILIES, debug_job_argv, write_hf_only_chat_target
+from helpers import debug_job_argv
+from hf_folders import HF_ONLY_FAMILIES, write_hf_only_chat_target
 
 from titan_draft.config import ConfigManager
 from titan_draft.distributed.utils import destroy_distributed

@@ -15,7 +15,7 @@ from models.targets.qwen3 import Qwen3Model, qwen3_flavors
 from titan_draft.decoding.acceptance import evaluate
 from titan_draft.decoding.speculative import compare, greedy_decode, speculative_decode
 from titan_draft.data.chat.prompts import EvalPrompt
-from tests.helpers import GreedyDrafter
+from helpers import GreedyDrafter
 
 CPU = torch.device("cpu")
 VOCAB = 257

@@ -17,7 +17,7 @@ from titan_draft.decoding.sampling import (
     tempered_probs,
     verify_sampled,
 )
-from tests.helpers import GreedyDrafter
+from helpers import GreedyDrafter
 
 V, T = 4, 0.8
 TABLE = torch.tensor([[2.0, 1.0, 0.0, -1.0],

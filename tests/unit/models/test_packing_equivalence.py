@@ -19,7 +19,7 @@ from models.dspark import DSparkDraft, dspark_flavors
 from models.eagle3 import Eagle3Draft, eagle3_flavors
 from titan_draft.protocols import TargetFeatures
 
-from tests.helpers import registered_drafts
+from helpers import registered_drafts
 
 V, H, SEQ = 61, 32, 48
 LENGTHS = (11, 17, 9)  # then a padding tail of 11

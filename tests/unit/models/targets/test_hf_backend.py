@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import HF_ONLY_FAMILIES, write_hf_only_target
+from hf_folders import HF_ONLY_FAMILIES, write_hf_only_target
 
 from titan_draft.features.target import load_target
 

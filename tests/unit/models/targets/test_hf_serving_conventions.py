@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import write_hf_only_target
+from hf_folders import write_hf_only_target
 
 from models.targets.hf.serving import check_serving_conventions, head_transforms
 from titan_draft.config.manager import load_job_config
