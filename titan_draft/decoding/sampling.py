@@ -39,6 +39,31 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def rejection_terms(draft: torch.Tensor, probs: torch.Tensor,
+                    q: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule's exact terms (module docstring), what :func:`verify_sampled` draws with:
+    ``(accept [n], residual [n + 1, V])``: draft i is accepted with probability ``accept[i]``;
+    at the first rejection, at i, the round's last token is drawn from ``residual[i]``;
+    ``residual[n]`` is the bonus distribution ``probs[n]``. ``q`` as in :func:`verify_sampled`."""
+    n = draft.numel()
+    rows = torch.arange(n, device=probs.device)
+    if q is None:
+        q = torch.zeros_like(probs[:n]).index_put_((rows, draft), torch.ones(n, dtype=probs.dtype))
+    q = q.to(probs)
+    if q.shape != probs[:n].shape:
+        raise ValueError(f"draft distributions of shape {tuple(q.shape)} for {n} drafts over {probs.shape[-1]} tokens")
+    q_draft = q[rows, draft]
+    if bool((q_draft <= 0).any()):
+        raise ValueError("a drafted token has probability 0 under the distribution it was drawn from")
+    accept = (probs[rows, draft] / q_draft).clamp(max=1.0)
+    residual = probs.clone()
+    residual[:n] = (probs[:n] - q).clamp(min=0.0)
+    mass = residual[:n].sum(dim=-1, keepdim=True)
+    # mass 0 (q = p, or p a point mass on the draft): accept is 1, the row is never drawn from
+    residual[:n] = torch.where(mass > 0, residual[:n] / mass.clamp(min=torch.finfo(probs.dtype).tiny), probs[:n])
+    return accept, residual
+
+
 def verify_sampled(draft: torch.Tensor, probs: torch.Tensor, generator: torch.Generator | None = None,
                    q: torch.Tensor | None = None) -> tuple[int, int]:
     """One round's rejection rule (module docstring).
@@ -56,18 +81,11 @@ def verify_sampled(draft: torch.Tensor, probs: torch.Tensor, generator: torch.Ge
         residual draw at the first rejection, else the bonus draw from ``probs[n]``).
     """
     n = draft.numel()
-    rows = torch.arange(n, device=probs.device)
-    if q is None:
-        q = torch.zeros_like(probs[:n]).index_put_((rows, draft), torch.ones(n, dtype=probs.dtype))
-    q = q.to(probs)
-    if q.shape != probs[:n].shape:
-        raise ValueError(f"draft distributions of shape {tuple(q.shape)} for {n} drafts over {probs.shape[-1]} tokens")
+    accept, residual = rejection_terms(draft, probs, q)
     u = torch.rand(n, generator=generator, dtype=probs.dtype, device=probs.device)
-    p_draft, q_draft = probs[rows, draft], q[rows, draft]
     for i in range(n):
-        if u[i] * q_draft[i] >= p_draft[i]:  # rejected: u >= p / q
-            residual = (probs[i] - q[i]).clamp_(min=0.0)
-            return i, _draw(residual / residual.sum(), generator)
+        if u[i] >= accept[i]:
+            return i, _draw(residual[i], generator)
     return n, _draw(probs[n], generator)
 
 
