@@ -53,9 +53,9 @@ def rejection_terms(draft: torch.Tensor, probs: torch.Tensor,
     if q.shape != probs[:n].shape:
         raise ValueError(f"draft distributions of shape {tuple(q.shape)} for {n} drafts over {probs.shape[-1]} tokens")
     q_draft = q[rows, draft]
-    if bool((q_draft <= 0).any()):
-        raise ValueError("a drafted token has probability 0 under the distribution it was drawn from")
-    accept = (probs[rows, draft] / q_draft).clamp(max=1.0)
+    # min(1, p / q) -> 1 as q -> 0: a float32 q may round a drawn token's tiny mass to 0
+    accept = torch.where(q_draft > 0, probs[rows, draft] / q_draft.clamp(min=torch.finfo(probs.dtype).tiny), 1.0)
+    accept = accept.clamp(max=1.0)
     residual = probs.clone()
     residual[:n] = (probs[:n] - q).clamp(min=0.0)
     mass = residual[:n].sum(dim=-1, keepdim=True)

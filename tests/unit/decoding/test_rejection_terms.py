@@ -103,9 +103,3 @@ def test_point_mass_terms_are_the_greedy_rule():
     torch.testing.assert_close(residual[0], want / want.sum(), rtol=0, atol=1e-15)
     torch.testing.assert_close(residual[2], probs[2], rtol=0, atol=0)
 
-
-def test_a_draft_outside_its_q_is_refused():
-    probs = torch.full((2, 4), 0.25, dtype=torch.float64)
-    q = torch.tensor([[0.5, 0.5, 0.0, 0.0]], dtype=torch.float64)
-    with pytest.raises(ValueError, match="probability 0"):
-        rejection_terms(torch.tensor([2]), probs, q)
