@@ -14,7 +14,12 @@ from models.dflash2.model import DFlash2Draft
 from models.dflash2.proposal import DFlashProposer
 from models.dspark import DSparkProposer
 from models.eagle3 import Eagle3Proposer
-from tests.unit.decoding.test_proposals_graph_safe import dspark_draft, eagle3_draft, no_host_reads, run_rounds
+from tests.unit.decoding.test_proposals_graph_safe import (
+    dspark_draft,
+    eagle3_draft,
+    no_host_reads,
+    run_rounds,
+)
 
 T = 2.0
 
