@@ -344,3 +344,14 @@ class GreedyDrafter:
 
     def set_sampling(self, temperature: float, generator=None) -> None:
         pass
+
+
+def inverse_cdf(q: torch.Tensor, u: float) -> int:
+    """The first token whose cumulative probability exceeds u (a plain loop: the
+    reference of the proposers' inverse-CDF draws)."""
+    acc = 0.0
+    for t, p in enumerate(q.tolist()):
+        acc += p
+        if acc > u * float(q.sum()):
+            return t
+    return q.numel() - 1

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import inverse_cdf
 
 from models.dflash2.args import dflash2_flavors
 from models.dflash2.export import dflash2_from_export, export_dflash2
@@ -173,16 +174,6 @@ def test_graphs_need_a_gpu(target):
     assert not DFlashProposer(_draft(target, "debugmodel")).graphs  # the default off a CUDA device
 
 
-def _inverse_cdf(q: torch.Tensor, u: float) -> int:
-    """The first token whose cumulative probability exceeds u (plain loop)."""
-    acc = 0.0
-    for t, p in enumerate(q.tolist()):
-        acc += p
-        if acc > u * float(q.sum()):
-            return t
-    return q.numel() - 1
-
-
 @torch.no_grad()
 def test_dflash_samples_each_slot_from_its_own_distribution(target):
     """At T > 0 each slot is drawn independently from softmax(unary / T) with the uniforms of the
@@ -196,7 +187,7 @@ def test_dflash_samples_each_slot_from_its_own_distribution(target):
     q = torch.softmax(_unary(draft, proposer.block_hidden(int(ids[0, 19]))[1:]) / 1.5, dim=-1)
     torch.testing.assert_close(proposer.draft_probs, q, rtol=0, atol=1e-12)
     u = torch.rand(draft.args.block_size, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    assert got == [_inverse_cdf(q[k], float(u[k])) for k in range(len(got))]
+    assert got == [inverse_cdf(q[k], float(u[k])) for k in range(len(got))]
     assert got != q.argmax(-1).tolist()  # a draw, not the greedy chain
     proposer.set_sampling(0.0, None)
     assert proposer.propose(int(ids[0, 19])).tolist() == q.argmax(-1).tolist() and proposer.draft_probs is None
@@ -230,7 +221,7 @@ def test_dflash2_selector_samples_its_chain(target):
             qc = torch.softmax((vals + sel.successor_codebook[cands] @ query) / temp, dim=0)
             want = torch.zeros(VOCAB, dtype=torch.float64).scatter(0, cands, qc)
             torch.testing.assert_close(proposer.draft_probs[k], want, rtol=0, atol=1e-12)
-            assert got[k] == int(cands[_inverse_cdf(qc, float(u[k]))])
+            assert got[k] == int(cands[inverse_cdf(qc, float(u[k]))])
             prev = got[k]
         proposer.set_sampling(0.0)
         differs |= got != proposer.propose(anchor).tolist()

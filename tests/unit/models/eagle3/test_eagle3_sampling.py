@@ -5,18 +5,10 @@ distributions on the target vocabulary (zero outside the draft's)."""
 from __future__ import annotations
 
 import torch
+from helpers import inverse_cdf
 
 from models.eagle3 import Eagle3Proposer
 from tests.unit.decoding.test_proposals_graph_safe import eagle3_draft
-
-
-def _inverse_cdf(q: torch.Tensor, u: float) -> int:
-    acc = 0.0
-    for t, p in enumerate(q.tolist()):
-        acc += p
-        if acc > u * float(q.sum()):
-            return t
-    return q.numel() - 1
 
 
 @torch.no_grad()
@@ -44,7 +36,7 @@ def test_eagle3_samples_its_chain_from_the_drawn_tokens():
             qd = torch.softmax(d.lm_head(d.norm(outs[k]))[0, -1] / temp, dim=-1)
             want = torch.zeros(a.vocab_size, dtype=torch.float64).index_copy(0, ids, qd)
             torch.testing.assert_close(prop.draft_probs[k], want, rtol=0, atol=1e-12)
-            assert got[k] == int(ids[_inverse_cdf(qd, float(u[k]))])
+            assert got[k] == int(ids[inverse_cdf(qd, float(u[k]))])
         greedy = Eagle3Proposer(d, num_draft_tokens=n)
         greedy.reset(32)
         greedy.commit(prompt, aux)
