@@ -54,7 +54,9 @@ def build_row(folder: str, label: str, info: dict, temperatures: list[float], sp
         row["evals"][f"{t:g}"] = {
             "tau": s["tau"], "accept_rate": s["accept_rate"], "num_prompts": s["num_prompts"],
             "lossless_prompts": s["lossless_prompts"], "num_draft_tokens": s["num_draft_tokens"],
-            "proposed_per_round": s["proposed_per_round"], "rounds": s["rounds"], "new_tokens": s["new_tokens"]}
+            "proposed_per_round": s["proposed_per_round"], "rounds": s["rounds"], "new_tokens": s["new_tokens"],
+            # a report written before drafts sampled at T > 0 has no key: its drafts were point masses
+            "draft_sampling": s.get("draft_sampling", "greedy" if t <= 0 else "point mass")}
     source = speed_source(temperatures, speed_dtype)
     row["speed"] = None
     if source is not None:
@@ -99,6 +101,12 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
               f"T = {', '.join(temps)} (sampling seed {meta['seed']}). Date {meta['date']}."), "",
              f"Command: `{meta.get('command', '')}`", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    # tau at T > 0 is the papers' figure only when the drafts were drawn from their own q
+    unsampled = [f"{r['label']} (T={t}: {e['draft_sampling']})" for r in rows for t, e in r["evals"].items()
+                 if float(t) > 0 and e.get("draft_sampling", "point mass") != "q"]
+    if unsampled:
+        lines[-2:-2] = [(f"Drafts not drawn from their own distribution q at T > 0 (verified as point masses, a lower "
+                        f"acceptance than speculative sampling's): {', '.join(unsampled)}."), ""]
     for r in rows:
         evals = r["evals"]
         cells = [r["label"], _num(r["budget_min"], ".2f"), _num(r["training_min"], ".2f"), _num(r["steps"], "d"),

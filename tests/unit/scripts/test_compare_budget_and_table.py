@@ -371,3 +371,28 @@ def test_two_configs_of_one_name_are_refused(tmp_path, capsys, job):
     twin.write_text(Path(DEBUG).read_text())
     assert compare_drafts.main(["--minutes", "1", "--configs", f"{DEBUG},{twin}", "--out", str(tmp_path), *job]) == 2
     assert "same file name" in capsys.readouterr().err
+
+
+def test_the_table_says_when_a_sampled_tau_came_from_point_mass_drafts(tmp_path):
+    """tau at T > 0 is comparable across drafts only when each drew its drafts from its own q: a
+    report whose drafts were point masses (or one too old to say) is named under the table."""
+    meta = {"view": "recipes", "minutes": 6.0, "calibration_steps": 60, "prompts": "mtbench",
+            "max_new_tokens": 256, "temperatures": [0.0, 1.0], "seed": 0, "date": "d"}
+    rows = []
+    for label, how in (("sampled", "q"), ("pointy", "point mass"), ("old", None)):
+        folder = tmp_path / label
+        folder.mkdir()
+        rep = _report(1.0, [2], [5], [[1, 2]], None)
+        if how is None:
+            del rep["summary"]["draft_sampling"]
+        else:
+            for p in rep["prompts"]:
+                p["sampled_rounds"] = p["rounds"] if how == "q" else 0
+            rep["summary"]["draft_sampling"] = how
+        (folder / eval_report_name(1.0, "float32")).write_text(json.dumps(rep))
+        rows.append(build_row(str(folder), label, {"budget_min": 6.0}, [0.0, 1.0], None))
+    assert [r["evals"]["1"]["draft_sampling"] for r in rows] == ["q", "point mass", "point mass"]
+    note = [line for line in render_markdown(rows, meta).splitlines() if line.startswith("Drafts not drawn")]
+    assert len(note) == 1 and "pointy (T=1: point mass), old (T=1: point mass)." in note[0]
+    assert "sampled" not in note[0]
+    assert not any(line.startswith("Drafts not drawn") for line in render_markdown(rows[:1], meta).splitlines())
