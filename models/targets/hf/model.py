@@ -21,7 +21,7 @@ from torch import nn
 from models.common import full_tensor
 from models.targets.hf.args import HFTargetArgs
 from models.targets.hf.cache import HFDecodeCache
-from models.targets.hf.serving import check_serving_conventions
+from models.targets.hf.serving import attention_kernel, check_serving_conventions
 from models.targets.hf.sharded import (
     allocate_keeping_buffers,
     load_sharded_parameters,
@@ -193,14 +193,14 @@ def load_hf_target(folder: str, *, dtype: torch.dtype, device, mesh=None) -> HFT
     check_serving_conventions(hf_config)
     sharded = mesh is not None and mesh.size() > 1
     try:
-        # the family's default attention kernel: transformers itself refuses one that cannot
-        # compute the family (Gemma2's soft-capped scores need its eager kernel)
+        # the family's default attention kernel, but by name where only one computes the family
+        kernel = {"attn_implementation": k} if (k := attention_kernel(hf_config)) else {}
         if sharded:  # parameters on meta: each rank reads only its rows below
             config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
             with params_on_meta():
-                hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+                hf = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **kernel)
         else:
-            hf = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
+            hf = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype, **kernel)
     except (OSError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"target.path: transformers cannot load {folder}: {first}") from None

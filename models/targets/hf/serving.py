@@ -9,6 +9,11 @@ Gemma2, Granite and the other families that scale their embeddings in the decode
 embedding module carries the scale itself (Gemma3), EAGLE3 and DFlash drafts receive different
 embeddings at serving time, so no single table trains both: they are refused.
 
+**Attention kernel.** A family that transforms its attention scores (Gemma2's
+``attn_logit_softcapping``) is computed only by transformers' eager kernel; whether the default
+kernel refuses such a family or runs it without the transform depends on the transformers
+version, so the backend asks for the eager kernel by name (``attention_kernel``).
+
 **Teacher logits.** Drafts that read the target's final hidden state (``needs_last_hidden``) take
 the teacher's logits as ``last_hidden @ lm_head.T``; a family whose head transforms that product
 (soft-capping, a logit scale) would be distilled towards other logits than it serves, so such a
@@ -34,6 +39,12 @@ def head_transforms(hf_config: dict) -> list[str]:
         if text.get(key) not in (None, 1, 1.0):
             found.append(f"{key} = {text[key]}")
     return found
+
+
+def attention_kernel(hf_config: dict) -> str | None:
+    """The ``attn_implementation`` to request for this folder (None: transformers' default)."""
+    text = hf_config.get("text_config") or hf_config
+    return "eager" if text.get("attn_logit_softcapping") else None
 
 
 def check_serving_conventions(hf_config: dict, *, needs_teacher: bool = False) -> None:

@@ -121,3 +121,27 @@ def test_head_transforms_name_granite_and_cohere_scales():
     assert head_transforms({"model_type": "granite", "logits_scaling": 1.0}) == []
     with pytest.raises(ValueError, match="logits_scaling = 8.0"):
         check_serving_conventions({"model_type": "granite", "logits_scaling": 8.0}, needs_teacher=True)
+
+
+def test_soft_capped_attention_runs_the_eager_kernel_whatever_the_default(gemma2, monkeypatch):
+    """Gemma2's soft-capped attention scores: only the eager kernel computes them. Whatever kernel a
+    transformers version picks by default for the family (here pinned to sdpa, which has no score
+    transform: some versions ignore the cap there, this one refuses it), the backend captures what
+    the eager forward computes."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(gemma2, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        want = ref(IDS, output_hidden_states=True).hidden_states
+    original = transformers.PreTrainedModel.get_correct_attn_implementation
+
+    def sdpa_by_default(self, requested, is_init_check=False):
+        return "sdpa" if requested is None else original(self, requested, is_init_check)
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "get_correct_attn_implementation", sdpa_by_default)
+    monkeypatch.setattr(transformers.PreTrainedModel, "_sdpa_can_dispatch", lambda self, *a, **k: True)
+    assert transformers.AutoModelForCausalLM.from_pretrained(gemma2).config._attn_implementation == "sdpa"
+    model = load_target(gemma2, dtype=torch.float32, device="cpu", backend="transformers")
+    assert model.hf.config._attn_implementation == "eager"
+    aux, _ = model.capture(IDS, [0, 1])
+    h = model.args.hidden_size
+    for k in (0, 1):
+        torch.testing.assert_close(aux[..., k * h:(k + 1) * h], want[k + 1], rtol=1e-4, atol=1e-5)
