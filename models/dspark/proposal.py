@@ -17,9 +17,10 @@ product. The tokens kept are exactly those of a walk that stops at the first slo
 threshold: the chain runs left to right, so a slot's pick never depends on a later slot. At
 T > 0 (``set_sampling``) each slot draws its token from softmax(z_k / T) with a uniform drawn on
 the host before the proposal, and the NEXT slot's Markov input is the drawn token (DSpark's
-definition); the proposal hands those distributions to the verify rule. ``graphs=True``
-replays it; eager is the default until the graphed proposal has been checked and timed on a GPU
-(``tests/gpu/test_proposals_gpu.py``).
+definition); the proposal hands those distributions to the verify rule. On a CUDA device it replays by
+default (``graphs=False`` drafts eagerly): on an H200 (SmolLM2 flavor, bf16, batch 1,
+``scripts/bench_decode.py --proposals dspark``) 5.29 ms eagerly, 1.07 ms replayed;
+``tests/gpu/test_proposals_gpu.py`` checks the replay against the eager proposal.
 
 ``decode_as="specforge_spec_generate"`` decodes as SpecForge's reference
 ``DSparkDraftModel.spec_generate`` (a6b6b023) does: ``b - 1`` drafts from slots ``1 .. b - 1``,
@@ -52,12 +53,11 @@ class DSparkProposer(BlockDecoder):
         decode_as: ``"sglang"`` (slots 0 .. b - 1 draft b tokens; SGLang's DSPARK, the convention
             the draft trains with) or ``"specforge_spec_generate"`` (slots 1 .. b - 1 draft
             b - 1 tokens; SpecForge's reference decoder). Module docstring.
-        graphs: replay proposals as CUDA graphs (needs a CUDA device); off by default (module
-            docstring).
+        graphs: replay proposals as CUDA graphs (needs a CUDA device); None: on a CUDA device.
     """
 
     def __init__(self, draft: DSparkDraft, max_len: int = 0, confidence_threshold: float = 0.0,
-                 decode_as: str = "sglang", graphs: bool = False):
+                 decode_as: str = "sglang", graphs: bool | None = None):
         super().__init__(draft, graphs)
         a = draft.args
         if not 0.0 <= confidence_threshold < 1.0:

@@ -136,6 +136,7 @@ def test_eval_tau_is_the_same_with_graphs_on_and_off(draft, temperature):
     g = torch.Generator().manual_seed(1)
     prompts = [EvalPrompt(f"p{i}", torch.randint(0, V - 1, (n,), generator=g).tolist())
                for i, n in enumerate((5, 17, 40))]
+    assert build(model, None).graphs  # the default on a CUDA device
     reports = [evaluate(target, build(model, graphs), prompts, max_new_tokens=64, stop_ids=[], device=DEV,
                         temperature=temperature, seed=7).to_json() for graphs in (True, False)]
     on, off = ({"tau": r["summary"]["tau"], "accepted": [p["accepted"] for p in r["prompts"]],
