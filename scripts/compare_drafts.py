@@ -2,6 +2,8 @@
 
     python scripts/compare_drafts.py --minutes 6 --speed-dtype bfloat16
     python scripts/compare_drafts.py --minutes 6 --view equal-draft-tokens
+    python scripts/compare_drafts.py --minutes 6 --view ablation --configs train_configs/dspark_smollm2.toml \
+        --ablate model.args.markov_rank=64,512 --ablate optimizer.lr=3e-4
 
 For each draft (a recipe TOML; default the three SmolLM2 recipes):
 
@@ -54,7 +56,7 @@ from scripts.compare_report import (
     speed_source,
     write_table,
 )
-from scripts.compare_runs import DEFAULT_CONFIGS, CompareError, build_runs, own_args
+from scripts.compare_runs import DEFAULT_CONFIGS, CompareError, build_runs, own_args, parse_ablations
 from titan_draft.checkpoint.export import exported_step
 
 
@@ -73,9 +75,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--speed-dtype", default=None, choices=["bfloat16"],
                    help="also decode greedily in this dtype for speculative against plain tokens/s")
     p.add_argument("--device", default="auto", help="eval device: auto, cpu, cuda")
-    p.add_argument("--view", default="recipes", choices=["recipes", "equal-draft-tokens"],
+    p.add_argument("--view", default="recipes", choices=["recipes", "equal-draft-tokens", "ablation"],
                    help="recipes: each config as it is; equal-draft-tokens: DSpark and DFlash2 at equal "
-                        "drafted tokens per round (--drafted)")
+                        "drafted tokens per round (--drafted); ablation: each config as it is and once per "
+                        "--ablate value, one key changed at a time")
+    p.add_argument("--ablate", action="append", default=[], metavar="KEY=V1[,V2...]",
+                   help="a job-config key and the values the ablation view tries (repeatable), e.g. "
+                        "model.args.markov_rank=64,512 or data.packing=true")
     p.add_argument("--drafted", default="7,15", help="drafted tokens per round of the equal-draft-tokens view")
     p.add_argument("--calibration-steps", type=int, default=60)
     p.add_argument("--calibration-warmup", type=int, default=10, help="leading calibration steps left out of the median")
@@ -91,6 +97,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         a.drafted = [int(n) for n in a.drafted.split(",")]
     except ValueError as e:
         raise CompareError(f"--temperatures / --drafted: {e}") from None
+    a.ablate = parse_ablations(a.ablate, a.view)
     if any(t < 0 for t in a.temperatures) or any(n < 1 for n in a.drafted):
         raise CompareError("--temperatures must be >= 0 and --drafted >= 1")
     return a, extra

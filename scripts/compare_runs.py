@@ -35,6 +35,36 @@ class CompareError(Exception):
         self.status = status
 
 
+def parse_ablations(specs: list[str], view: str) -> list[tuple[str, list[str]]]:
+    """``["model.args.markov_rank=64,512", ...]`` -> ``[("model.args.markov_rank", ["64", "512"]), ...]``,
+    refused in one line where malformed, repeated, a key the comparison sets, or outside the ablation view."""
+    if view != "ablation":
+        if specs:
+            raise CompareError(f"--ablate belongs to --view ablation, not {view}")
+        return []
+    if not specs:
+        raise CompareError("--view ablation needs at least one --ablate KEY=V1[,V2...]")
+    out = []
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        key = key.strip().removeprefix("--")
+        vals = [v.strip() for v in values.split(",")]
+        if not sep or not key or "." not in key or not all(vals):
+            raise CompareError(f"--ablate {spec!r}: expected KEY=V1[,V2...] with a dotted job-config key, "
+                               "e.g. model.args.markov_rank=64,512")
+        if key in OWN_KEYS:
+            raise CompareError(f"--ablate {key}: set by the comparison for every job")
+        if key in {k for k, _ in out} or len(set(vals)) < len(vals):
+            raise CompareError(f"--ablate {spec!r}: a key or value given twice")
+        out.append((key, vals))
+    return out
+
+
+def ablation_label(key: str, value: str) -> str:
+    """The run label suffix of one ablated value: the key without ``model.args.``, then the value."""
+    return f"{key.removeprefix('model.args.')}={value}"
+
+
 def override_keys(overrides: list[str]) -> set[str]:
     """The config keys a ``--section.key value`` list sets (``--no-x.y`` and ``--x.y=v`` too)."""
     keys = set()
@@ -76,7 +106,12 @@ def build_runs(a, extra: list[str], log: Callable[[str], None] = print) -> list[
         base = ["--job.config_file", config]
         cfg = _resolve(base + shared + extra)
         variants = [(stem, [])]
-        if a.view == "equal-draft-tokens":
+        if a.view == "ablation":
+            clash = sorted(override_keys(extra) & {k for k, _ in a.ablate})
+            if clash:
+                raise CompareError(f"--{clash[0]} is both an override for every draft and an --ablate key")
+            variants += [(f"{stem}+{ablation_label(k, v)}", [f"--{k}", v]) for k, vals in a.ablate for v in vals]
+        elif a.view == "equal-draft-tokens":
             if "model.args.block_size" in override_keys(extra):
                 raise CompareError("--model.args.block_size is set by the equal-draft-tokens view (see --drafted)")
             rule = BLOCK_SIZE_FOR_DRAFTED.get(cfg.model.name)

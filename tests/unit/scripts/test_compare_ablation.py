@@ -1,0 +1,78 @@
+"""scripts/compare_drafts.py --view ablation: the recipe as it is plus one job per ablated value,
+each changing exactly its one key, and every malformed request refused in one line before a job."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from scripts import compare_drafts, compare_runs
+from helpers import REPO
+
+DSPARK = os.path.join(REPO, "train_configs", "dspark_debug.toml")
+DFLASH2 = os.path.join(REPO, "train_configs", "debug_random.toml")
+
+
+@pytest.fixture
+def job(random_target_dir, chat_jsonl) -> list[str]:
+    return ["--target", random_target_dir, "--data", chat_jsonl]
+
+
+def _flat(cfg) -> dict:
+    """Every resolved key of a job config as ``section.key`` (model args as ``model.args.<name>``)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        for g in dataclasses.fields(section):
+            value = getattr(section, g.name)
+            if isinstance(value, dict):
+                out.update({f"{f.name}.{g.name}.{k}": v for k, v in value.items()})
+            else:
+                out[f"{f.name}.{g.name}"] = value
+    return out
+
+
+def test_each_ablated_value_is_one_job_that_changes_only_its_key(job):
+    argv = ["--minutes", "1", "--configs", f"{DSPARK},{DFLASH2}", "--view", "ablation",
+            "--ablate", "model.args.num_anchors=4,16", "--ablate", "optimizer.lr=3e-4", *job]
+    a, extra = compare_drafts.parse_args(argv)
+    runs = {r["label"]: r for r in compare_runs.build_runs(a, extra, print)}
+    want = {f"{stem}{suffix}" for stem in ("dspark_debug", "debug_random")
+            for suffix in ("", "+num_anchors=4", "+num_anchors=16", "+optimizer.lr=3e-4")}
+    assert set(runs) == want
+    for stem in ("dspark_debug", "debug_random"):
+        base = _flat(runs[stem]["cfg"])
+        for suffix, key, value in (("+num_anchors=4", "model.args.num_anchors", 4),
+                                   ("+num_anchors=16", "model.args.num_anchors", 16),
+                                   ("+optimizer.lr=3e-4", "optimizer.lr", 3e-4)):
+            got = _flat(runs[stem + suffix]["cfg"])
+            assert got[key] == value, (stem, suffix)
+            diff = {k for k in set(base) | set(got) if base.get(k) != got.get(k)}
+            assert diff == {key}, (stem, suffix, diff)
+            assert runs[stem + suffix]["view_args"] == [f"--{key}", str(value) if key != "optimizer.lr" else "3e-4"]
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--ablate", "optimizer.lr=1e-3"], "--ablate belongs to --view ablation, not recipes"),
+    (["--view", "ablation"], "--view ablation needs at least one --ablate"),
+    (["--view", "ablation", "--ablate", "lr=1e-3"], "expected KEY=V1[,V2...] with a dotted job-config key"),
+    (["--view", "ablation", "--ablate", "optimizer.lr"], "expected KEY=V1[,V2...]"),
+    (["--view", "ablation", "--ablate", "optimizer.lr=1e-3,"], "expected KEY=V1[,V2...]"),
+    (["--view", "ablation", "--ablate", "training.steps=10"], "--ablate training.steps: set by the comparison"),
+    (["--view", "ablation", "--ablate", "optimizer.lr=1e-3,1e-3"], "a key or value given twice"),
+    (["--view", "ablation", "--ablate", "optimizer.lr=1e-3", "--ablate", "optimizer.lr=2e-3"],
+     "a key or value given twice"),
+    (["--view", "ablation", "--ablate", "optimizer.lr=1e-3", "--optimizer.lr", "2e-3"],
+     "--optimizer.lr is both an override for every draft and an --ablate key"),
+    (["--view", "ablation", "--ablate", "model.args.nope=1"], "model.args: unknown dflash2 arg(s) ['nope']"),
+])
+def test_bad_ablations_are_one_line_errors_before_any_job(tmp_path, capsys, monkeypatch, job, args, expect):
+    calls = []
+    monkeypatch.setattr(compare_drafts, "run_logged", lambda *a, **k: calls.append(a) or (1, 0.0))
+    status = compare_drafts.main(["--minutes", "1", "--configs", DFLASH2, "--out", str(tmp_path), *job, *args])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and "\n" not in err and err.startswith("compare_drafts: error:"), err
+    assert expect in err, err
+    assert calls == []
