@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from models.common.sampling import DraftSampler
-from titan_draft.distributed.cuda_graphs import capture_graph, clone_outputs, round_slots
+from titan_draft.distributed.cuda_graphs import capture_graph, clone_outputs, maybe_graphs, round_slots
 
 
 class BlockDecoder:
@@ -43,9 +43,7 @@ class BlockDecoder:
         weight = draft.fc.weight
         self.dtype, self.device = weight.dtype, weight.device
         self.acc_dtype = torch.promote_types(self.dtype, torch.float32)
-        self.graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
-        if self.graphs and self.device.type != "cuda":
-            raise ValueError(f"{type(self).__name__}: graphs=True needs a CUDA device, the draft is on {self.device}")
+        self.graphs = maybe_graphs(graphs, self.device, type(self).__name__)
         b = draft.args.block_size
         self._k = self._v = None
         self.length = 0

@@ -25,7 +25,7 @@ import torch
 
 from models.eagle3.model import Eagle3Draft
 from models.common.sampling import DraftSampler
-from titan_draft.distributed.cuda_graphs import capture_graph, clone_outputs, round_slots
+from titan_draft.distributed.cuda_graphs import capture_graph, clone_outputs, maybe_graphs, round_slots
 
 
 class Eagle3Proposer:
@@ -50,9 +50,7 @@ class Eagle3Proposer:
         w = draft.fc.weight
         self.dtype, self.device = w.dtype, w.device
         self.acc_dtype = torch.promote_types(self.dtype, torch.float32)
-        self.graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
-        if self.graphs and self.device.type != "cuda":
-            raise ValueError(f"Eagle3Proposer: graphs=True needs a CUDA device, the draft is on {self.device}")
+        self.graphs = maybe_graphs(graphs, self.device, "Eagle3Proposer")
         self.ids = draft.draft_ids()
         self._k = self._v = None
         self._len = torch.zeros((), dtype=torch.long, device=self.device)

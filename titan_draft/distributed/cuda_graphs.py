@@ -31,6 +31,15 @@ MAX_GRAPH_TOKENS = 32
 SLOT_ROUNDING = 256
 
 
+def maybe_graphs(graphs: bool | None, device: torch.device, owner: str) -> bool:
+    """Whether a proposer replays CUDA graphs: ``graphs``, or on a CUDA device when None; a
+    ValueError naming ``owner`` when asked for graphs off a CUDA device."""
+    use = device.type == "cuda" if graphs is None else bool(graphs)
+    if use and device.type != "cuda":
+        raise ValueError(f"{owner}: graphs=True needs a CUDA device, the draft is on {device}")
+    return use
+
+
 def round_slots(n: int) -> int:
     """``n`` cache slots rounded up to a multiple of ``SLOT_ROUNDING``."""
     return -(-n // SLOT_ROUNDING) * SLOT_ROUNDING
