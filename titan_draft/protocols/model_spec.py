@@ -30,8 +30,8 @@ What a draft imports of the engine (and nothing else of ``titan_draft``; never
 through ``ArgsContext`` and ``PrepareContext``):
 - ``titan_draft.protocols``: this module, ``TargetFeatures`` / ``DraftOutput``, ``Proposer``;
 - ``titan_draft.distributed.parallelize.parallelize_blocks``: what its ``parallelize_fn`` calls;
-- ``titan_draft.distributed.cuda_graphs`` (``capture_graph``, ``round_slots``, ``maybe_graphs``): to replay its
-  proposal as a CUDA graph.
+- ``titan_draft.distributed.cuda_graphs`` (``capture_graph``, ``round_slots``,
+  ``maybe_graphs``): to replay its proposal as a CUDA graph.
 """
 
 from __future__ import annotations
