@@ -17,8 +17,8 @@ product. The tokens kept are exactly those of a walk that stops at the first slo
 threshold: the chain runs left to right, so a slot's pick never depends on a later slot. At
 T > 0 (``set_sampling``) each slot draws its token from softmax(z_k / T) with a uniform drawn on
 the host before the proposal, and the NEXT slot's Markov input is the drawn token (DSpark's
-definition); the proposal hands those distributions to the verify rule. On a CUDA device it replays by
-default (``graphs=False`` drafts eagerly): on an H200 (SmolLM2 flavor, bf16, batch 1,
+definition); the proposal hands those distributions to the verify rule. On a CUDA device it
+replays by default (``graphs=False`` drafts eagerly): on an H200 (SmolLM2 flavor, bf16, batch 1,
 ``scripts/bench_decode.py --proposals dspark``) 5.29 ms eagerly, 1.07 ms replayed;
 ``tests/gpu/test_proposals_gpu.py`` checks the replay against the eager proposal.
 

@@ -15,8 +15,8 @@ CUDA graph and replayed (the default on a CUDA device; ``graphs=False`` drafts e
 a chain of 7 steps launches a few hundred small kernels at batch 1, which made EAGLE-3's eval pay
 for its own launches where DFlash's replays. On an H200 (SmolLM2 flavor, bf16, batch 1,
 ``scripts/bench_decode.py --proposals eagle3``) a proposal takes 9.48 ms eagerly, 1.14 ms replayed;
-``tests/gpu/test_proposals_gpu.py`` checks the replay against the eager chain. ``commit`` (a varying number of rows) stays eager: one
-projection of all its rows into keys and values.
+``tests/gpu/test_proposals_gpu.py`` checks the replay against the eager chain. ``commit`` (a
+varying number of rows) stays eager: one projection of all its rows into keys and values.
 """
 
 from __future__ import annotations
