@@ -88,6 +88,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--launcher", default="run_train", choices=["run_train", "python"],
                    help="run_train: ./run_train.sh (torchrun, NGPU=1 unless set); python: python -m titan_draft.train")
     p.add_argument("--out", default="outputs/compare_drafts")
+    p.add_argument("--report-only", action="store_true",
+                   help="write the table from the records under --out and run nothing; a stage not done "
+                        "leaves its cells empty (e.g. drafts compared one per machine, their folders gathered)")
     a, extra = p.parse_known_args(argv)
     if a.calibration_warmup < 0 or a.calibration_steps <= a.calibration_warmup:
         raise CompareError(f"--calibration-steps ({a.calibration_steps}) must exceed --calibration-warmup "
@@ -316,6 +319,25 @@ def evaluate(a, run: dict, folder: str) -> None:
             raise CompareError(f"{run['label']}: the eval failed (exit {rc}; {log}): {_last_line(log)}", 1)
 
 
+def check_records(a, run: dict, folder: str, settings: dict) -> None:
+    """--report-only: refuse records of another comparison, log the stages that have none."""
+    recorded = _read_json(os.path.join(folder, "settings.json"))
+    if recorded is not None and recorded != settings:
+        changed = sorted(k for k in set(recorded) | set(settings) if recorded.get(k) != settings.get(k))
+        raise CompareError(f"{folder} holds a comparison made with another {', '.join(changed)}: the table would "
+                           "mix two comparisons")
+    plan_record = _read_json(os.path.join(folder, "plan.json"))
+    if plan_record is not None and (plan_record["budget_s"], plan_record["margin"]) != (60 * a.minutes, a.margin):
+        raise CompareError(f"{folder} was planned for {plan_record['budget_s'] / 60:g} min with margin "
+                           f"{plan_record['margin']:g}, not {a.minutes:g} min with margin {a.margin:g}")
+    wanted = ["train.json", *(eval_report_name(t, "float32") for t in a.temperatures)]
+    speed = speed_source(a.temperatures, a.speed_dtype)
+    wanted += [eval_report_name(*speed)] if speed is not None and speed[1] != "float32" else []
+    missing = [name for name in wanted if not os.path.isfile(os.path.join(folder, name))]
+    if missing:
+        _log(f"{run['label']}: no {', '.join(missing)} in {folder}: those cells stay empty")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         a, extra = parse_args(sys.argv[1:] if argv is None else argv)
@@ -323,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(out, exist_ok=True)
         LOG_PATH[:] = [os.path.join(out, "compare.log")]
         _log(f"compare: {shlex.join(sys.argv if argv is None else ['compare_drafts.py', *argv])}")
-        runs = build_runs(a, extra, _log)
+        runs = build_runs(a, extra, _log, check=not a.report_only)
         meta = {"view": a.view, "minutes": a.minutes, "margin": a.margin, "calibration_steps": a.calibration_steps,
                 "prompts": a.prompts if not a.num_prompts else f"{a.prompts} (first {a.num_prompts})",
                 "max_new_tokens": a.max_new_tokens, "temperatures": a.temperatures, "seed": a.seed,
@@ -333,17 +355,20 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for run in runs:
             folder = os.path.join(out, run["label"])
-            os.makedirs(folder, exist_ok=True)
             settings = {"argv": run["argv"], "launcher": a.launcher, "calibration_steps": a.calibration_steps,
                         "calibration_warmup": a.calibration_warmup}
-            changed = changed_settings(os.path.join(folder, "settings.json"), settings)
-            if changed:
-                raise CompareError(f"{folder} holds a comparison made with another {', '.join(changed)}: give "
-                                   "another --out, or delete that folder to start it again")
-            calibration = calibrate(a, run, folder)
-            steps = plan(a, run, folder, calibration)
-            train(a, run, folder, steps)
-            evaluate(a, run, folder)
+            if a.report_only:
+                check_records(a, run, folder, settings)
+            else:
+                os.makedirs(folder, exist_ok=True)
+                changed = changed_settings(os.path.join(folder, "settings.json"), settings)
+                if changed:
+                    raise CompareError(f"{folder} holds a comparison made with another {', '.join(changed)}: give "
+                                       "another --out, or delete that folder to start it again")
+                calibration = calibrate(a, run, folder)
+                steps = plan(a, run, folder, calibration)
+                train(a, run, folder, steps)
+                evaluate(a, run, folder)
             info = {"draft": run["cfg"].model.name, "config": os.path.relpath(run["config"], REPO),
                     "view_overrides": run["view_args"], "budget_min": a.minutes}
             rows.append(build_row(folder, run["label"], info, a.temperatures, a.speed_dtype))

@@ -45,7 +45,11 @@ def build_row(folder: str, label: str, info: dict, temperatures: list[float], sp
                     1e3 * cal["median_step_s"], "setup_s": cal["setup_s"], "save_s": cal["save_s"]} if plan else None,
            "training_min": train["wall_s"] / 60 if "wall_s" in train else None,
            "steps": train.get("steps"), "median_step_ms": train.get("median_step_ms"),
-           "peaks_gib": train.get("peaks_gib"), "attempts": train.get("attempts"), "evals": {}}
+           "peaks_gib": train.get("peaks_gib"), "attempts": train.get("attempts"), "evals": {},
+           # what the job spent besides its steps (start-up, target load, compile, saves, export):
+           # at a budget of a few minutes it decides how many steps a draft gets
+           "setup_s": (train["wall_s"] - train["steps"] * train["median_step_ms"] / 1e3
+                       if {"wall_s", "steps", "median_step_ms"} <= train.keys() else None)}
     for t in temperatures:
         report = _load(os.path.join(folder, eval_report_name(t, "float32")))
         if report is None:
@@ -91,7 +95,7 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
     first = "0" if "0" in temps else temps[0]
     speed = speed_source(meta["temperatures"], meta.get("speed_dtype"))
     sp = SHORT_DTYPE.get(speed[1], speed[1]) if speed else "–"
-    head = (["draft", "budget min", "training min", "steps", "median step ms", "peak GiB"]
+    head = (["draft", "budget min", "training min", "setup s", "steps", "median step ms", "peak GiB"]
             + [f"τ T={t}" for t in temps] + [f"accepted per position (T={first})", f"lossless (T={first}, fp32)",
                                               f"speculative tok/s ({sp})", f"plain tok/s ({sp})", "ratio"])
     lines = [f"# Draft comparison: {meta['view']}", "",
@@ -109,7 +113,8 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
                         f"acceptance than speculative sampling's): {', '.join(unsampled)}."), ""]
     for r in rows:
         evals = r["evals"]
-        cells = [r["label"], _num(r["budget_min"], ".2f"), _num(r["training_min"], ".2f"), _num(r["steps"], "d"),
+        cells = [r["label"], _num(r["budget_min"], ".2f"), _num(r["training_min"], ".2f"),
+                 _num(r.get("setup_s"), ".0f"), _num(r["steps"], "d"),
                  _num(r["median_step_ms"], ".1f"), _peak(r["peaks_gib"])]
         cells += [_num(evals[t]["tau"], ".3f") if t in evals else "–" for t in temps]
         e = evals.get(first)

@@ -86,9 +86,10 @@ def _abspath_if_exists(path: str | None) -> str | None:
     return os.path.abspath(path) if path and os.path.exists(path) else path
 
 
-def build_runs(a, extra: list[str], log: Callable[[str], None] = print) -> list[dict]:
+def build_runs(a, extra: list[str], log: Callable[[str], None] = print, check: bool = True) -> list[dict]:
     """One entry per training job of the view: label, config path, its argv without the keys the
-    comparison sets, the resolved job config."""
+    comparison sets, the resolved job config. ``check``: run the trainer's checks of each job
+    (off for a report from records, whose target and data may be on another machine)."""
     if extra and not extra[0].startswith("--"):
         raise CompareError(f"unexpected argument {extra[0]!r} (overrides are --section.key value)")
     own = sorted(override_keys(extra) & OWN_KEYS)
@@ -134,8 +135,9 @@ def build_runs(a, extra: list[str], log: Callable[[str], None] = print) -> list[
         if len(set(map(str, values.values()))) > 1:
             raise CompareError(f"{section}.{key} differs between the drafts ({values}): the comparison trains "
                                f"every draft on the same data for the same target (--target, --data)")
-    for run in runs:
-        check_job(run)
+    if check:
+        for run in runs:
+            check_job(run)
     return runs
 
 

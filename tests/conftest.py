@@ -18,6 +18,16 @@ import pytest
 # helpers.py sits beside this file; tests in subfolders import it by name
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# Under pytest-xdist each worker would run torch's CPU ops on every core: two workers on two
+# cores then oversubscribe them, and a thread-parallel op waits on threads that are not running
+# (measured: 221 s against 159 s for the SmolLM2, e2e and offline tests at -n 2 on 2 cores). Give
+# each worker its share of the cores, and the subprocesses it starts the same.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # A shell that starts a command in the background without job control (nohup, `cmd &` in a
 # script, some CI runners) hands it SIGINT ignored, and then neither Python's Ctrl-C handler nor
 # a bash trap can be installed in what it starts. The signal tests are about a terminal's

@@ -53,8 +53,10 @@ def test_experts_match_float64_reference(dtype, tol):
 
 
 def test_30b_a3b_shaped_capture_compiles():
-    """Two layers of the Qwen3-30B-A3B shape (128 experts, top 8): the compiled capture (bf16,
-    inductor) equals the eager one."""
+    """Two layers of the Qwen3-30B-A3B shape (128 experts, top 8): the compiled bf16 capture
+    (inductor) is as close to the fp32 capture as the eager bf16 one. Not compiled against eager
+    directly: bf16 rounding moves ~6 % of a router's tokens across the tie between their 8th and
+    9th experts, in eager as in compiled form (docs/benchmarks/2026-12-04-moe-target-capture.md)."""
     args = replace(qwen3_moe_flavors["qwen3_30b_a3b"], num_hidden_layers=2)
     with torch.device("cuda"):
         model = Qwen3MoeModel(args)
@@ -62,9 +64,13 @@ def test_30b_a3b_shaped_capture_compiles():
     with torch.no_grad():  # a router with real preferences, so the groups are uneven
         for layer in model.layers.values():
             layer.mlp.gate.weight.normal_(0, 0.5)
-    model.to(torch.bfloat16).requires_grad_(False)
+    model.requires_grad_(False)
     ids = torch.randint(0, args.vocab_size, (2, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    exact, _ = model.capture(ids, [0, 1], need_last_hidden=False)
+    model.to(torch.bfloat16)
     eager, _ = model.capture(ids, [0, 1], need_last_hidden=False)
     model.compile_capture()
     compiled, _ = model.capture(ids, [0, 1], need_last_hidden=False)
-    assert _rel_err(compiled, eager) < 1e-2
+    eager_err, compiled_err = _rel_err(eager, exact), _rel_err(compiled, exact)
+    assert eager_err < 0.15  # bf16 with its route flips, measured ~6 %
+    assert compiled_err < 1.25 * eager_err, (compiled_err, eager_err)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 from pathlib import Path
 
@@ -18,11 +19,8 @@ from scripts import compare_drafts, compare_runs
 from scripts.compare_plan import (BudgetError, Calibration, RunMetrics, build_calibration, choose_steps,
                                   read_run_metrics)
 from scripts.compare_report import build_row, eval_report_name, render_markdown
-from titan_draft.checkpoint.export import PROVENANCE_NAME
-from titan_draft.components.metrics import MetricsLogger
-from titan_draft.config.job_config import Metrics
-from titan_draft.decoding.acceptance import EvalReport, PromptReport
 from titan_draft.protocols import get_model_spec
+from compare_fakes import FakeJobs, eval_report, write_tb
 from helpers import REPO
 
 DEBUG = os.path.join(REPO, "train_configs", "debug_random.toml")
@@ -80,17 +78,9 @@ def test_calibration_median_leaves_out_the_warmup_steps():
     assert cal.setup_s == pytest.approx(50.0 - 7 * cal.median_step_s - cal.save_s)
 
 
-def _write_tb(dump: str, step_times: list[float], memory_steps: int = 0) -> None:
-    """Scalars as the trainer logs them: its own MetricsLogger, every step a window."""
-    logger = MetricsLogger(Metrics(log_freq=1), dump, rank=0, device_type="cpu")
-    for step, t in enumerate(step_times, start=1):
-        logger.log(step, {"step_time_s": t, "loss": 1.0}, len(step_times))
-    logger.close()
-
-
 def test_step_times_and_peaks_are_read_from_the_trainers_tensorboard_scalars(tmp_path):
     times = [3.0, 0.25, 0.5, 0.75]
-    _write_tb(str(tmp_path), times)
+    write_tb(str(tmp_path), times)
     metrics = read_run_metrics(str(tmp_path / "tb" / "run"))
     assert metrics.step_times == pytest.approx(dict(enumerate(times, start=1)))
     assert metrics.peaks["peak_rss_gib"] > 0  # on CPU the memory monitor's peak is the RSS
@@ -101,26 +91,15 @@ def test_step_times_and_peaks_are_read_from_the_trainers_tensorboard_scalars(tmp
 # ---- the table ----
 
 
-def _report(temperature: float, rounds: list[int], tokens: list[int], accepted: list[list[int]],
-            lossless: list[bool] | None, times=(1.0, 2.0)) -> dict:
-    prompts = [PromptReport(name=f"p{i}", prompt_tokens=10, new_tokens=tokens[i], rounds=rounds[i],
-                            round_tokens=tokens[i] - 1, tau=(tokens[i] - 1) / rounds[i], speculative_s=times[0],
-                            accepted=accepted[i], greedy_s=times[1], lossless=None if lossless is None else lossless[i],
-                            proposed=[4] * rounds[i])
-               for i in range(len(rounds))]
-    return {"target": "t", "draft": "d", "dtype": "float32", "proposer_options": {},
-            **EvalReport(prompts, num_draft_tokens=4, max_new_tokens=16, temperature=temperature).to_json()}
-
-
 def test_the_table_row_comes_from_the_training_record_and_the_eval_reports(tmp_path):
     folder = tmp_path / "dspark"
     folder.mkdir()
     (folder / "train.json").write_text(json.dumps({"steps": 900, "wall_s": 345.0, "attempts": 1,
                                                    "median_step_ms": 81.5, "peaks_gib": {"max_allocated_gib": 10.2,
                                                                                         "max_reserved_gib": 10.7}}))
-    greedy = _report(0.0, [5, 4], [16, 12], [[2, 1, 0, 3, 4], [1, 1, 0, 2]], [True, False])
-    sampled = _report(1.0, [6, 6], [16, 15], [[1, 1, 0, 2, 1, 1], [0, 1, 1, 2, 1, 0]], None)
-    speed = _report(0.0, [5, 4], [16, 12], [[2, 1, 0, 3, 4], [1, 1, 0, 2]], [True, True], times=(0.5, 2.0))
+    greedy = eval_report(0.0, [5, 4], [16, 12], [[2, 1, 0, 3, 4], [1, 1, 0, 2]], [True, False])
+    sampled = eval_report(1.0, [6, 6], [16, 15], [[1, 1, 0, 2, 1, 1], [0, 1, 1, 2, 1, 0]], None)
+    speed = eval_report(0.0, [5, 4], [16, 12], [[2, 1, 0, 3, 4], [1, 1, 0, 2]], [True, True], times=(0.5, 2.0))
     for t, dtype, rep in ((0.0, "float32", greedy), (1.0, "float32", sampled), (0.0, "bfloat16", speed)):
         (folder / eval_report_name(t, dtype)).write_text(json.dumps(rep))
     row = build_row(str(folder), "dspark_smollm2", {"draft": "dspark", "budget_min": 6.0}, [0.0, 1.0], "bfloat16")
@@ -143,6 +122,7 @@ def test_the_table_row_comes_from_the_training_record_and_the_eval_reports(tmp_p
     head = [c.strip() for c in next(line for line in md.splitlines() if line.startswith("| draft")).strip("|").split("|")]
     got = dict(zip(head, cells))
     assert got["draft"] == "dspark_smollm2" and got["steps"] == "900" and got["training min"] == "5.75"
+    assert got["setup s"] == f"{345.0 - 900 * 0.0815:.0f}"  # the job's time outside its steps
     assert got["τ T=0"] == f"{26 / 9:.3f}" and got["τ T=1"] == f"{29 / 12:.3f}"
     assert got["lossless (T=0, fp32)"] == "1/2" and got["peak GiB"] == "10.2 / 10.7"
     assert got["accepted per position (T=0)"].startswith(f"{7 / 9:.2f} / {4 / 9:.2f}")
@@ -154,7 +134,7 @@ def test_a_missing_report_leaves_its_cells_empty(tmp_path):
     assert row["steps"] is None and row["evals"] == {} and row["speed"] is None
     meta = {"view": "recipes", "minutes": 6.0, "calibration_steps": 60, "prompts": "mtbench",
             "max_new_tokens": 256, "temperatures": [0.0, 1.0], "seed": 0, "date": "d"}
-    assert render_markdown([row], meta).splitlines()[-1].count("–") == 11
+    assert render_markdown([row], meta).splitlines()[-1].count("–") == 12
 
 
 # ---- the runs of a view ----
@@ -217,49 +197,6 @@ def test_configs_the_comparison_cannot_honour_are_refused(tmp_path, capsys, old,
 
 
 # ---- resume and skip ----
-
-
-class FakeJobs:
-    """Stands in for compare_drafts.run_logged: records each command and writes what the real job
-    would. ``stop_training_once``: the first training attempt stops (SIGTERM) before its export."""
-
-    def __init__(self, stop_training_once: bool = False, interrupt_training_once: bool = False):
-        self.calls: list[tuple[str, list[str]]] = []
-        self.caches: list[tuple[str, str, bool]] = []  # (job, its compile cache, whether it existed before)
-        self.stop_training_once = stop_training_once
-        self.interrupt_training_once = interrupt_training_once
-
-    def __call__(self, cmd, log_path, env_extra=None):
-        with open(log_path, "a") as log:
-            log.write("fake job\n")
-        arg = dict(zip(cmd, cmd[1:]))  # each flag and what follows it
-        if "titan_draft.eval" in cmd:
-            self.calls.append(("eval", cmd))
-            t = float(arg["--temperature"])
-            rep = _report(t, [4, 4], [12, 12], [[1, 2, 0, 1], [3, 0, 1, 1]], None if t > 0 else [True, True])
-            Path(arg["--out"]).write_text(json.dumps(rep))
-            return 0, 3.0
-        dump, steps = arg["--job.dump_folder"], int(arg["--training.steps"])
-        kind = "calibration" if arg.get("--metrics.log_freq") == "1" else "train"
-        self.calls.append((kind, cmd))
-        self.caches.append((kind, env_extra["TORCHINDUCTOR_CACHE_DIR"], os.path.exists(env_extra["TORCHINDUCTOR_CACHE_DIR"])))
-        os.makedirs(env_extra["TORCHINDUCTOR_CACHE_DIR"], exist_ok=True)  # the job compiles into it
-        times = [9.0, 3.0] + [0.5] * (steps - 2)
-        if kind == "calibration":  # its save, after the step the comparison asked for, costs 2 s
-            times[int(arg["--checkpoint.interval"])] += 2.0
-        os.makedirs(os.path.join(dump, "checkpoint", "step-1"), exist_ok=True)
-        if kind == "train" and self.interrupt_training_once:
-            self.interrupt_training_once = False
-            _write_tb(dump, [9.0] + [0.5] * 4)
-            raise compare_drafts.Interrupted(12.0)  # Ctrl-C: the job saved and stopped after 12 s
-        if kind == "train" and self.stop_training_once:
-            self.stop_training_once = False
-            _write_tb(dump, [9.0] + [0.5] * 9)
-            return 0, 20.0  # stopped by a signal after a checkpoint: exit 0, no export
-        _write_tb(dump, times)
-        os.makedirs(os.path.join(dump, "export"), exist_ok=True)
-        Path(dump, "export", PROVENANCE_NAME).write_text(json.dumps({"step": steps}))
-        return 0, (40.0 if kind == "calibration" else 35.0)
 
 
 def _compare(tmp_path, job, *extra):
@@ -382,7 +319,7 @@ def test_the_table_says_when_a_sampled_tau_came_from_point_mass_drafts(tmp_path)
     for label, how in (("sampled", "q"), ("pointy", "point mass"), ("old", None)):
         folder = tmp_path / label
         folder.mkdir()
-        rep = _report(1.0, [2], [5], [[1, 2]], None)
+        rep = eval_report(1.0, [2], [5], [[1, 2]], None)
         if how is None:
             del rep["summary"]["draft_sampling"]
         else:
@@ -396,3 +333,34 @@ def test_the_table_says_when_a_sampled_tau_came_from_point_mass_drafts(tmp_path)
     assert len(note) == 1 and "pointy (T=1: point mass), old (T=1: point mass)." in note[0]
     assert "sampled" not in note[0]
     assert not any(line.startswith("Drafts not drawn") for line in render_markdown(rows[:1], meta).splitlines())
+
+
+def test_report_only_rebuilds_the_table_from_the_records_and_runs_nothing(tmp_path, monkeypatch, capsys, job):
+    """Drafts compared one per machine: their folders gathered, --report-only writes the table of
+    what is there, without the target or data (which stayed on those machines)."""
+    jobs = FakeJobs()
+    monkeypatch.setattr(compare_drafts, "run_logged", jobs)
+    target = shutil.copytree(job[1], tmp_path / "target")
+    job = ["--target", str(target), *job[2:]]
+    assert _compare(tmp_path, job) == 0
+    out = tmp_path / "out"
+    table = (out / "table_recipes.md").read_text()
+    (out / "table_recipes.md").unlink()
+    jobs.calls.clear()
+    shutil.rmtree(target)  # the target is not on this machine
+    assert _compare(tmp_path, job, "--report-only") == 0 and jobs.calls == []
+    assert (out / "table_recipes.md").read_text().split("| draft")[1] == table.split("| draft")[1]
+
+    (out / "debug_random" / eval_report_name(1.0, "float32")).unlink()
+    assert _compare(tmp_path, job, "--report-only") == 0 and jobs.calls == []
+    assert "no eval_t1_float32.json" in capsys.readouterr().out
+    row = json.loads((out / "table_recipes.json").read_text())["rows"][0]
+    assert set(row["evals"]) == {"0"} and row["steps"] is not None
+    assert not (out / "debug_random" / eval_report_name(1.0, "float32")).exists()  # nothing was run to make it
+
+    # records of another comparison are refused, not mixed into the table
+    assert _compare(tmp_path, job, "--report-only", "--margin", "0.1") == 2
+    assert "planned for 1 min with margin 0.03" in capsys.readouterr().err
+    assert _compare(tmp_path, job, "--report-only", "--lr_scheduler.warmup_steps", "3") == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "made with another argv" in err and jobs.calls == []
