@@ -94,9 +94,9 @@ FAKE_TORCHRUN = """#!/usr/bin/env bash
 # stand-in: a launcher that fails if a stop signal reaches it, with one rank that saves and exits 0
 trap 'echo "launcher got a signal" >&2; exit 1' TERM INT
 python3 -c '
-import signal, sys, time
-def stop(*_):
-    print("rank: step finished, checkpoint saved", file=sys.stderr, flush=True)
+import os, signal, sys, time
+def stop(*_):  # os.write: the signal may come while print still flushes "rank: training"
+    os.write(2, b"rank: step finished, checkpoint saved\\n")
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
 print("rank: training", file=sys.stderr, flush=True)
