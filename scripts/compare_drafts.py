@@ -190,7 +190,18 @@ def changed_settings(path: str, settings: dict) -> list[str]:
     if old is None:
         _write_json(path, settings)
         return []
-    return sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+    return _differing_keys(old, settings)
+
+
+def _differing_keys(old: dict, new: dict) -> list[str]:
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def wanted_reports(a) -> list[tuple[float, str]]:
+    """The (temperature, dtype) evals of the comparison: fp32 at each temperature, and the speed run."""
+    wanted = [(t, "float32") for t in a.temperatures]
+    speed = speed_source(a.temperatures, a.speed_dtype)
+    return wanted + [speed] if speed is not None and speed not in wanted else wanted
 
 
 # ---- the stages of one draft ----
@@ -296,12 +307,8 @@ def evaluate(a, run: dict, folder: str) -> None:
                 os.remove(os.path.join(folder, name))
         _log(f"{run['label']}: its eval reports were made with another {', '.join(changed)}: evaluating again")
         _write_json(os.path.join(folder, "eval_settings.json"), settings)
-    wanted = [(t, "float32") for t in a.temperatures]
-    speed = speed_source(a.temperatures, a.speed_dtype)
-    if speed is not None and speed not in wanted:
-        wanted.append(speed)
     export = os.path.join(folder, "run", run["cfg"].checkpoint.export_folder)
-    for temperature, dtype in wanted:
+    for temperature, dtype in wanted_reports(a):
         out = os.path.join(folder, eval_report_name(temperature, dtype))
         if os.path.isfile(out):
             _log(f"{run['label']}: eval T={temperature:g} {dtype} already done ({out})")
@@ -323,16 +330,13 @@ def check_records(a, run: dict, folder: str, settings: dict) -> None:
     """--report-only: refuse records of another comparison, log the stages that have none."""
     recorded = _read_json(os.path.join(folder, "settings.json"))
     if recorded is not None and recorded != settings:
-        changed = sorted(k for k in set(recorded) | set(settings) if recorded.get(k) != settings.get(k))
-        raise CompareError(f"{folder} holds a comparison made with another {', '.join(changed)}: the table would "
-                           "mix two comparisons")
+        changed = ", ".join(_differing_keys(recorded, settings))
+        raise CompareError(f"{folder} holds a comparison made with another {changed}: the table would mix two comparisons")
     plan_record = _read_json(os.path.join(folder, "plan.json"))
     if plan_record is not None and (plan_record["budget_s"], plan_record["margin"]) != (60 * a.minutes, a.margin):
         raise CompareError(f"{folder} was planned for {plan_record['budget_s'] / 60:g} min with margin "
                            f"{plan_record['margin']:g}, not {a.minutes:g} min with margin {a.margin:g}")
-    wanted = ["train.json", *(eval_report_name(t, "float32") for t in a.temperatures)]
-    speed = speed_source(a.temperatures, a.speed_dtype)
-    wanted += [eval_report_name(*speed)] if speed is not None and speed[1] != "float32" else []
+    wanted = ["train.json", *(eval_report_name(*r) for r in wanted_reports(a))]
     missing = [name for name in wanted if not os.path.isfile(os.path.join(folder, name))]
     if missing:
         _log(f"{run['label']}: no {', '.join(missing)} in {folder}: those cells stay empty")
