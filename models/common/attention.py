@@ -100,6 +100,36 @@ def attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention` and each query's log-sum-exp of its scaled scores ``[B, Hq, Q]`` (at
+    least fp32), so its result can be merged with keys attended elsewhere (softmax over
+    ``[lse, other scores]`` weighs this output against the other values). A row that sees no key
+    of ``mask`` must see one of those other keys."""
+    gqa = q.shape[1] != k.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    if isinstance(mask, BlockMask):
+        if q.is_cuda:
+            o, lse = _compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, return_lse=True)
+        else:  # forward only, to check it against the dense form (see attention())
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                o, lse = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, return_lse=True)
+        return o, lse.to(acc)
+    # dense (CPU, and the reference): sdpa returns no log-sum-exp, so the scores are explicit
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1).to(acc), v.repeat_interleave(rep, 1).to(acc)
+    scores = (q.to(acc) @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        # the dtype's lowest, not -inf: a row with no key gets a finite lse that exp() turns into
+        # a weight of 0 against any real score when merged, and no NaN reaches the backward
+        scores = scores.masked_fill(~mask, torch.finfo(acc).min)
+    lse = torch.logsumexp(scores, dim=-1)
+    o = torch.exp(scores - lse[..., None]) @ v
+    return o.to(q.dtype), lse
+
+
 class QKNormProjections(torch.nn.Module):
     """The Qwen3 attention parameters: q/k/v/o projections (GQA, no bias) and per-head q/k
     RMSNorm (identity when ``args.qk_norm`` is False, as in Llama). Targets and drafts subclass

@@ -33,10 +33,18 @@ class Eagle3Args(DecoderArgs):
     """Target width feeding fc (0: same as hidden_size)."""
     attn_backend: str = "auto"
     """'auto' (flex on CUDA, sdpa on CPU), 'flex' or 'sdpa'."""
+    ttt_attention: str = "concat"
+    """How training computes step i's attention: 'concat' (all (i + 1) * S keys of the steps so
+    far under one mask; the layer is traced once per step) or 'diagonal' (step 0's keys causally,
+    merged with the later steps' keys at the query's own position; the same result, one traced
+    graph for all steps after the first; models/eagle3/ttt_attention.py)."""
 
     @property
     def fc_in_features(self) -> int:
         return len(self.target_layer_ids) * (self.target_hidden_size or self.hidden_size)
+
+
+TTT_ATTENTION_FORMS = ("concat", "diagonal")
 
 
 def eagle3_capture_layers(num_target_layers: int) -> list[int]:
@@ -104,6 +112,8 @@ def update_eagle3_args(args: Eagle3Args, ctx) -> Eagle3Args:
                          f"{t.vocab_size} tokens")
     if args.ttt_steps < 1:
         raise ValueError(f"model.args.ttt_steps must be >= 1, got {args.ttt_steps}")
+    if args.ttt_attention not in TTT_ATTENTION_FORMS:
+        raise ValueError(f"model.args.ttt_attention must be one of {TTT_ATTENTION_FORMS}, got {args.ttt_attention!r}")
     follow = {k: getattr(t, k) for k in ("rope_theta", "max_position_embeddings", "rms_norm_eps")
               if k not in ctx.overrides}
     return replace(args, **follow, target_layer_ids=layer_ids, num_target_layers=t.num_hidden_layers,

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from models.common import RMSNorm, SwiGLU, apply_rope, attention, rope_cos_sin
 from models.eagle3.args import Eagle3Args
+from models.eagle3.ttt_attention import DiagonalPast, diagonal_attention
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -36,15 +37,19 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * h, self.n_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
 
-    def forward(self, z: torch.Tensor, rope: Rope, past: list[KV], attn_mask) -> tuple[torch.Tensor, KV]:
+    def forward(self, z: torch.Tensor, rope: Rope, past: list[KV] | DiagonalPast, attn_mask) -> tuple[torch.Tensor, KV]:
         """``z [B, T, 2H]`` -> output ``[B, T, H]`` and this step's keys/values, the queries
-        attending to ``past`` steps' keys and values followed by their own."""
+        attending to ``past`` steps' keys and values followed by their own (a :class:`DiagonalPast`:
+        the same attention in diagonal form, models/eagle3/ttt_attention.py)."""
         bsz, t, _ = z.shape
         q = apply_rope(self.q_proj(z).view(bsz, t, self.n_heads, self.head_dim).transpose(1, 2), *rope)
         k, v = self.keys_values(z, rope)
-        keys = torch.cat([pk for pk, _ in past] + [k], dim=2)
-        values = torch.cat([pv for _, pv in past] + [v], dim=2)
-        o = attention(q, keys, values, attn_mask)
+        if isinstance(past, DiagonalPast):  # training's diagonal form; attn_mask is step 0's
+            o = diagonal_attention(q, k, v, past, attn_mask)
+        else:
+            keys = torch.cat([pk for pk, _ in past] + [k], dim=2)
+            values = torch.cat([pv for _, pv in past] + [v], dim=2)
+            o = attention(q, keys, values, attn_mask)
         return self.o_proj(o.transpose(1, 2).reshape(bsz, t, -1)), (k, v)
 
     def keys_values(self, z: torch.Tensor, rope: Rope) -> KV:
