@@ -90,14 +90,18 @@ def attention(
     """
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, BlockMask):
-        if q.is_cuda:
-            return _compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
-        # CPU flex is forward-only and only used to check it against sdpa; compiling it on CPU
-        # would cost a C++ build for no benefit.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return _flex(q, k, v, mask, gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, gqa: bool, **options):
+    """flex_attention: compiled on CUDA; on CPU eager and forward-only, used only to check it
+    against the dense path (compiling it on CPU would cost a C++ build for no benefit)."""
+    if q.is_cuda:
+        return _compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, **options)
 
 
 def attention_with_lse(
@@ -110,12 +114,7 @@ def attention_with_lse(
     gqa = q.shape[1] != k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
     if isinstance(mask, BlockMask):
-        if q.is_cuda:
-            o, lse = _compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, return_lse=True)
-        else:  # forward only, to check it against the dense form (see attention())
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                o, lse = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa, return_lse=True)
+        o, lse = _flex(q, k, v, mask, gqa, return_lse=True)
         return o, lse.to(acc)
     # dense (CPU, and the reference): sdpa returns no log-sum-exp, so the scores are explicit
     rep = q.shape[1] // k.shape[1]

@@ -22,7 +22,7 @@ class HFTargetArgs:
     def from_hf_config(cls, config: dict) -> HFTargetArgs:
         """Args of a ``config.json`` dict; a ValueError naming the missing key. Multimodal
         folders nest the language model's facts under ``text_config``."""
-        text = config.get("text_config") or config
+        text = text_config(config)
         missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in text]
         if missing:
             raise ValueError(f"config.json (model_type {config.get('model_type')!r}) has no {missing[0]}: "
@@ -42,3 +42,9 @@ class HFTargetArgs:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", True))),
             rms_norm_eps=float(text.get("rms_norm_eps") or text.get("layer_norm_eps") or 1e-6),
         )
+
+
+def text_config(config: dict) -> dict:
+    """The language model's part of a ``config.json`` dict: ``text_config`` in multimodal folders,
+    else the dict itself."""
+    return config.get("text_config") or config

@@ -22,6 +22,8 @@ job is refused at start-up.
 
 from __future__ import annotations
 
+from models.targets.hf.args import text_config
+
 # model_type -> why SGLang's embedding module of the family already applies a scale
 SCALED_EMBEDDING_MODULE = {
     "gemma3": "Gemma3's embedding module multiplies the table by sqrt(hidden_size)",
@@ -31,7 +33,7 @@ SCALED_EMBEDDING_MODULE = {
 
 def head_transforms(hf_config: dict) -> list[str]:
     """The ``config.json`` settings by which the family's logits differ from ``h @ lm_head.T``."""
-    text = hf_config.get("text_config") or hf_config
+    text = text_config(hf_config)
     found = []
     if text.get("final_logit_softcapping"):
         found.append(f"final_logit_softcapping = {text['final_logit_softcapping']}")
@@ -43,15 +45,14 @@ def head_transforms(hf_config: dict) -> list[str]:
 
 def attention_kernel(hf_config: dict) -> str | None:
     """The ``attn_implementation`` to request for this folder (None: transformers' default)."""
-    text = hf_config.get("text_config") or hf_config
-    return "eager" if text.get("attn_logit_softcapping") else None
+    return "eager" if text_config(hf_config).get("attn_logit_softcapping") else None
 
 
 def check_serving_conventions(hf_config: dict, *, needs_teacher: bool = False) -> None:
     """ValueError in one line when a draft trained on this folder would not see at serving what it
     saw in training (``needs_teacher``: the draft distils ``last_hidden @ lm_head.T``)."""
     model_type = str(hf_config.get("model_type"))
-    text_type = str((hf_config.get("text_config") or {}).get("model_type", model_type))
+    text_type = str(text_config(hf_config).get("model_type", model_type))
     why = SCALED_EMBEDDING_MODULE.get(model_type) or SCALED_EMBEDDING_MODULE.get(text_type)
     if why:
         raise ValueError(f"target.backend = 'transformers': model_type {model_type!r} is not supported: {why}, so "
