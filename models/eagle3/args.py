@@ -33,11 +33,13 @@ class Eagle3Args(DecoderArgs):
     """Target width feeding fc (0: same as hidden_size)."""
     attn_backend: str = "auto"
     """'auto' (flex on CUDA, sdpa on CPU), 'flex' or 'sdpa'."""
-    ttt_attention: str = "concat"
-    """How training computes step i's attention: 'concat' (all (i + 1) * S keys of the steps so
-    far under one mask; the layer is traced once per step) or 'diagonal' (step 0's keys causally,
-    merged with the later steps' keys at the query's own position; the same result, one traced
-    graph for all steps after the first; models/eagle3/ttt_attention.py)."""
+    ttt_attention: str = "diagonal"
+    """How training computes step i's attention: 'diagonal' (step 0's keys causally, merged with
+    the later steps' keys at the query's own position; one traced graph for all steps after the
+    first; models/eagle3/ttt_attention.py) or 'concat' (all (i + 1) * S keys of the steps so far
+    under one mask; the same result, the layer traced once per step). On an H200 at the Qwen3-8B
+    shape diagonal took 124 ms a step against 128.7 and compiled faster, for 1.2 GiB more peak
+    memory (docs/benchmarks/2026-12-04-eagle3-diagonal-ttt.md): 'concat' where memory is tight."""
 
     @property
     def fc_in_features(self) -> int:
