@@ -10,6 +10,7 @@ tokenizer or template silently changes which tokens the draft can ever propose.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Iterable
@@ -24,13 +25,23 @@ __all__ = ["build_draft_vocab", "count_loss_tokens", "load_draft_vocab", "load_d
 _ORIGIN_KEY = "titan_draft.draft_vocab.origin"
 
 
-def count_loss_tokens(samples: Iterable[tuple[list[int], list[bool]]], vocab_size: int) -> torch.Tensor:
-    """``[V]`` int64 counts of the tokens whose loss mask is True."""
+def count_loss_tokens(samples: Iterable[tuple[list[int], list[bool]]], vocab_size: int,
+                      chunk_tokens: int = 1 << 22) -> torch.Tensor:
+    """``[V]`` int64 counts of the tokens whose loss mask is True (one bincount per ~4M tokens,
+    not one ``[V]`` pass per sample)."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
+    kept: list[int] = []
+
+    def flush() -> None:
+        if kept:
+            counts.add_(torch.bincount(torch.tensor(kept, dtype=torch.int64), minlength=vocab_size))
+            kept.clear()
+
     for ids, mask in samples:
-        kept = torch.tensor([t for t, m in zip(ids, mask) if m], dtype=torch.int64)
-        if kept.numel():
-            counts += torch.bincount(kept, minlength=vocab_size)
+        kept.extend(itertools.compress(ids, mask))
+        if len(kept) >= chunk_tokens:
+            flush()
+    flush()
     return counts
 
 

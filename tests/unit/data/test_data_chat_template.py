@@ -312,3 +312,21 @@ def test_auto_template_follows_the_tokenizer(tok, llama_tok):
         special_tokens={"<|endoftext|>": 151643}), pad_token="<|endoftext|>")
     with pytest.raises(ValueError, match="'auto' found no known chat format"):
         resolve_template("auto", bare)
+
+
+def test_mask_of_marks_the_tokens_starting_inside_a_span():
+    """``_mask_of`` (a bisection per span) against its definition, token by token: repeated
+    starts, empty spans, spans between tokens and past the last one."""
+    import random
+
+    from titan_draft.data.chat.template import _mask_of
+
+    rng = random.Random(0)
+    for _ in range(500):
+        starts = sorted(rng.randint(0, 60) for _ in range(rng.randint(0, 30)))
+        cuts = sorted(rng.sample(range(70), 2 * rng.randint(0, 4)))
+        spans = [(cuts[i], cuts[i + 1], i // 2) for i in range(0, len(cuts), 2)]
+        if cuts:
+            spans.append((cuts[-1], cuts[-1], 9))  # an empty span marks nothing
+        want = [any(b <= s < e for b, e, _ in spans) for s in starts]
+        assert _mask_of(starts, spans) == want, (starts, spans)

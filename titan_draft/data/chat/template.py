@@ -36,6 +36,7 @@ model emits in these formats) and trained on like the rest of the answer.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -256,16 +257,12 @@ def _render(
 
 
 def _mask_of(starts: Sequence[int], spans: Sequence[tuple[int, int, int]]) -> list[bool]:
-    """True for each token whose start byte lies in a span (both sorted, one forward walk)."""
+    """True for each token whose start byte lies in a span (both sorted). A bisection per span,
+    not a walk per token: the training loader and EAGLE-3's vocabulary count render every row."""
     mask = [False] * len(starts)
-    span_iter = iter(spans)
-    span = next(span_iter, None)
-    for i, start in enumerate(starts):
-        while span is not None and start >= span[1]:
-            span = next(span_iter, None)
-        if span is None:
-            break
-        mask[i] = start >= span[0]
+    for begin, end, _ in spans:
+        lo, hi = bisect.bisect_left(starts, begin), bisect.bisect_left(starts, end)
+        mask[lo:hi] = [True] * (hi - lo)
     return mask
 
 

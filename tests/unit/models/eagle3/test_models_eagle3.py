@@ -163,6 +163,8 @@ def test_draft_vocabulary(tmp_path):
     samples = [([5, 5, 7, 9, 3], [True, True, True, False, True]), ([3, 3, 5, 1], [False, True, True, True])]
     counts = count_loss_tokens(samples, 12)
     assert counts.tolist() == [0, 1, 0, 2, 0, 3, 0, 1, 0, 0, 0, 0]  # 9 and the first 3 are not loss tokens
+    for chunk in (1, 2, 3):  # flushed mid-sample and across samples: the same counts
+        assert torch.equal(count_loss_tokens(samples, 12, chunk_tokens=chunk), counts)
     d2t, t2d = build_draft_vocab(counts, 4)
     # 5 (3), 3 (2), then 1 and 7 tie at 1: the lower ids win; sorted ascending
     assert (torch.arange(4) + d2t).tolist() == [1, 3, 5, 7] and t2d.nonzero().flatten().tolist() == [1, 3, 5, 7]
