@@ -15,7 +15,10 @@ For each draft (a recipe TOML; default the three SmolLM2 recipes):
 3. training: the real job, timed from start to exit; its steps, median logged step, peak memory;
 4. eval: ``python -m titan_draft.eval`` on the export, fp32, at every ``--temperatures`` value (T = 0
    greedy with the token-for-token lossless check, T > 0 speculative sampling with a fixed seed),
-   and with ``--speed-dtype`` greedy in that dtype for speculative against plain tokens/s.
+   and with ``--speed-dtype`` greedy in that dtype for speculative against plain tokens/s. The
+   target's plain greedy decodes are the same for every draft: the first T = 0 eval of a dtype
+   makes them (and times them) into ``<out>/greedy_<dtype>.json``, the later ones check against
+   them (``titan_draft.eval --greedy-cache``; another machine or boot decodes them anew).
 
 The table goes to ``<out>/table_<view>.md`` and ``.json``. Every stage writes its result to
 ``<out>/<draft>/``; run the same command again after an interruption and finished stages are
@@ -321,6 +324,8 @@ def evaluate(a, run: dict, folder: str) -> None:
                str(a.seed), "--device", a.device, "--out", out]
         if temperature > 0:  # sampling: the plain decode checks nothing token for token
             cmd.append("--no-lossless-check")
+        else:  # every draft is checked against the same plain greedy decodes: made once, by the first eval
+            cmd += ["--greedy-cache", os.path.join(a.out, f"greedy_{dtype}.json")]
         rc, _ = run_logged(cmd, log)
         if rc != 0 or not os.path.isfile(out):
             raise CompareError(f"{run['label']}: the eval failed (exit {rc}; {log}): {_last_line(log)}", 1)

@@ -31,6 +31,7 @@ from titan_draft.data.chat.prompts import load_eval_prompts, stop_token_ids
 from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.decoding.acceptance import evaluate
 from titan_draft.decoding.evaluator import build_eval_draft
+from titan_draft.decoding.greedy_cache import cache_setting, load_greedy_cache, save_greedy_cache
 from titan_draft.features.target import load_target, read_hf_config
 from titan_draft.protocols.target_spec import (
     get_target_spec,
@@ -68,11 +69,29 @@ def _parse(argv):
                    help="keyword argument of the draft's proposer (its build_proposer_fn), repeatable; VALUE "
                         "is read as JSON when it parses (DSpark: confidence_threshold=0.5, "
                         "decode_as=specforge_spec_generate)")
+    p.add_argument("--greedy-cache", default=None, metavar="FILE",
+                   help="T = 0: reuse the plain greedy decodes (and their speed) in FILE made by an eval of "
+                        "the same target, dtype and device on this machine since its boot, and add this "
+                        "eval's (titan_draft/decoding/greedy_cache.py)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     p.add_argument("--allow-target-mismatch", action="store_true",
                    help="evaluate even when --target differs from the target the export records (its layer "
                         "count, sizes, vocabulary or frozen tables); the differences are logged")
     return p.parse_args(argv)
+
+
+def maybe_load_greedy_cache(a, target, device: torch.device):
+    """``(setting, cache, keys already there)`` for ``--greedy-cache``, or None without it."""
+    if not a.greedy_cache:
+        return None
+    if a.temperature > 0 or a.no_lossless_check:
+        raise ValueError("--greedy-cache keeps plain greedy decodes: it needs --temperature 0 and the lossless check")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("--greedy-cache: one process only (each rank would decode, and write, part of the prompts)")
+    fingerprint = build_target_record(target, target.args, target.family)["table_fingerprint"]
+    setting = cache_setting(a.target, fingerprint, a.dtype, device, not a.no_cuda_graphs)
+    cache = load_greedy_cache(a.greedy_cache, setting)
+    return setting, cache, set(cache)
 
 
 def parse_proposer_options(items: list[str]) -> dict:
@@ -156,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
             holdout_rows=run.get("holdout_rows", 0) if a.holdout_rows is None else a.holdout_rows,
             max_prompt_tokens=a.max_prompt_tokens,
         )
+        greedy = maybe_load_greedy_cache(a, target, device)
     except ValueError as e:
         print(f"titan_draft.eval: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -165,21 +185,33 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         print(f"titan_draft.eval: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    report = evaluate(target, proposer, prompts, max_new_tokens=a.max_new_tokens,
-                      stop_ids=stop_token_ids(tokenizer, chat.template), device=device,
+    stop_ids = stop_token_ids(tokenizer, chat.template)
+    report = evaluate(target, proposer, prompts, max_new_tokens=a.max_new_tokens, stop_ids=stop_ids, device=device,
                       check_lossless=not a.no_lossless_check, temperature=a.temperature, seed=a.seed,
-                      cuda_graphs=not a.no_cuda_graphs)
+                      cuda_graphs=not a.no_cuda_graphs, greedy_cache=greedy[1] if greedy else None)
     print(report.table())
+    reused = 0
+    if greedy:
+        reused = len(greedy[2] & {(tuple(p.ids), a.max_new_tokens, tuple(sorted(stop_ids))) for p in prompts})
+        print(f"plain greedy: {reused} of {len(prompts)} prompts from {a.greedy_cache} (decoded there before, "
+              "their speed too)")
     if a.out:
         try:
             write_atomic(a.out, json.dumps({"target": a.target, "draft": a.draft, "dtype": a.dtype,
-                                            "proposer_options": options, **report.to_json()}, indent=2))
+                                            "proposer_options": options, "greedy_from_cache": reused,
+                                            **report.to_json()}, indent=2))
         except OSError as e:
             if not is_disk_full(e):
                 raise
             print(f"titan_draft.eval: error: writing {a.out} failed: {disk_full_line(a.out)}; the table above "
                   "is the whole report", file=sys.stderr)
             raise SystemExit(1) from None
+    if greedy:
+        try:
+            save_greedy_cache(a.greedy_cache, greedy[0], greedy[1])
+        except OSError as e:  # the report is written; only the next eval's saving is lost
+            print(f"titan_draft.eval: warning: --greedy-cache {a.greedy_cache} not written: "
+                  f"{disk_full_line(a.greedy_cache) if is_disk_full(e) else e}", file=sys.stderr)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -220,6 +220,9 @@ def test_finished_stages_are_skipped_and_a_stopped_training_resumes(tmp_path, mo
     assert _compare(tmp_path, job) == 0
     # the calibration is not run again; the training is the same command (it resumes)
     assert [k for k, _ in jobs.calls] == ["train", "eval", "eval"]
+    greedy = [cmd[cmd.index("--greedy-cache") + 1] if "--greedy-cache" in cmd else None for _, cmd in jobs.calls[1:]]
+    # T = 0 checks against the comparison's shared plain decodes; T = 1 decodes none
+    assert greedy == [str(tmp_path / "out" / "greedy_float32.json"), None]
     folder = tmp_path / "out" / "debug_random"
     steps = json.loads((folder / "plan.json").read_text())["steps"]
     # a 40 s calibration of 6 steps of 0.5 s and a 2 s save after step 4 (halfway through the warm steps)

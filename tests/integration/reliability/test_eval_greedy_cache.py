@@ -1,0 +1,89 @@
+"""``python -m titan_draft.eval --greedy-cache FILE``: a second eval takes its plain greedy decodes
+(tokens, margins, speed) from the file instead of decoding them, checks its draft against them, and
+a file made with another setting is decoded anew, never trusted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import job_args, run_training
+
+import titan_draft.decoding.acceptance as acceptance
+from titan_draft.eval import main as eval_main
+
+EVAL = ("--prompts", "mtbench", "--num-prompts", "2", "--max-new-tokens", "6")
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory, chat_jsonl, random_target_dir):
+    dump = tmp_path_factory.mktemp("eval_greedy_cache")
+    run_training(job_args(dump, chat_jsonl, random_target_dir, "--training.steps", "1"))
+    return str(dump / "export")
+
+
+def _eval(target, export, out, cache, *extra) -> dict:
+    eval_main(["--target", target, "--draft", export, *EVAL, "--greedy-cache", str(cache), "--out", str(out), *extra])
+    with open(out) as f:
+        return json.load(f)
+
+
+def _no_plain_decoding(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("plain greedy decoded although the cache holds it")
+
+    monkeypatch.setattr(acceptance, "greedy_decode", refuse)
+
+
+def test_a_second_eval_reuses_the_plain_decodes(export_dir, random_target_dir, tmp_path, monkeypatch):
+    cache = tmp_path / "greedy.json"
+    first = _eval(random_target_dir, export_dir, tmp_path / "a.json", cache)
+    assert first["greedy_from_cache"] == 0 and first["summary"]["lossless_prompts"] == 2
+    with monkeypatch.context() as m:
+        _no_plain_decoding(m)
+        second = _eval(random_target_dir, export_dir, tmp_path / "b.json", cache)
+    assert second["greedy_from_cache"] == 2
+    for key in ("tau", "lossless_prompts", "greedy_tokens_per_s", "rounds", "new_tokens"):
+        assert second["summary"][key] == first["summary"][key], key
+    assert [p["greedy_s"] for p in second["prompts"]] == [p["greedy_s"] for p in first["prompts"]]
+
+    # the check runs against the cached tokens: a wrong cached token is a divergence
+    with open(cache) as f:
+        data = json.load(f)
+    gen = data["entries"][0]["generation"]
+    gen["tokens"][1] = (gen["tokens"][1] + 1) % 1000
+    cache.write_text(json.dumps(data))
+    with monkeypatch.context() as m:
+        _no_plain_decoding(m)
+        third = _eval(random_target_dir, export_dir, tmp_path / "c.json", cache)
+    assert third["summary"]["lossless_prompts"] == 1 and third["summary"]["divergences"][0]["index"] == 1
+
+
+def test_a_cache_of_another_setting_is_decoded_again(export_dir, random_target_dir, tmp_path, caplog):
+    cache = tmp_path / "greedy.json"
+    _eval(random_target_dir, export_dir, tmp_path / "a.json", cache)
+    data = json.loads(cache.read_text())
+    data["setting"]["boot"] = "another boot"
+    cache.write_text(json.dumps(data))
+    with caplog.at_level("INFO"):
+        again = _eval(random_target_dir, export_dir, tmp_path / "b.json", cache)
+    assert again["greedy_from_cache"] == 0 and again["summary"]["lossless_prompts"] == 2
+    assert any("was made with another boot: decoding plain greedy again" in r.getMessage() for r in caplog.records)
+    assert json.loads(cache.read_text())["setting"]["boot"] != "another boot"  # rewritten for this machine
+
+
+@pytest.mark.parametrize("case", ["sampling", "not a cache"])
+def test_refused_in_one_line(export_dir, random_target_dir, tmp_path, capsys, case):
+    cache = tmp_path / "greedy.json"
+    extra: tuple[str, ...] = ()
+    if case == "sampling":
+        extra = ("--temperature", "1")
+        want = "--greedy-cache keeps plain greedy decodes: it needs --temperature 0 and the lossless check"
+    else:
+        cache.write_text('{"schema": "something else"}')
+        want = f"--greedy-cache {cache}: not a readable greedy cache"
+    with pytest.raises(SystemExit) as exit_info:
+        _eval(random_target_dir, export_dir, tmp_path / "a.json", cache, *extra)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"titan_draft.eval: error: {want}"), err
