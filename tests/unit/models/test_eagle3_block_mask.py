@@ -152,13 +152,15 @@ def test_negative_step_is_refused():
         _analytic(64, torch.tensor([64]), -1, 16)
 
 
-def test_objective_uses_it_under_flex_and_matches_sdpa(monkeypatch):
+@pytest.mark.parametrize("form,steps_masked", [("concat", [0, 1, 2]), ("diagonal", [0])])
+def test_objective_uses_it_under_flex_and_matches_sdpa(monkeypatch, form, steps_masked):
     """The whole TTT loss at S 128 (one 128 tile, so the analytic path) under flex (CPU forward)
-    equals the dense sdpa loss, and every step's mask came from ttt_block_mask."""
+    equals the dense sdpa loss, and the masks came from ttt_block_mask: every step's in the concat
+    form, step 0's alone in the diagonal form (its later steps reuse it)."""
     vocab, dvocab, hid, seq = 61, 24, 32, 128
     args = replace(eagle3_flavors["debugmodel"], vocab_size=vocab, draft_vocab_size=dvocab, hidden_size=hid,
                    intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8, ttt_steps=3,
-                   target_layer_ids=[1, 2, 4], num_target_layers=6)
+                   target_layer_ids=[1, 2, 4], num_target_layers=6, ttt_attention=form)
     torch.manual_seed(0)
     d = Eagle3Draft(args).double()
     d.init_weights()
@@ -186,6 +188,6 @@ def test_objective_uses_it_under_flex_and_matches_sdpa(monkeypatch):
         assert calls == []
         d.args = replace(args, attn_backend="flex")
         flex = d(f)
-    assert calls == [0, 1, 2]
+    assert calls == steps_masked
     torch.testing.assert_close(flex.loss_sum, sdpa.loss_sum, rtol=1e-10, atol=1e-10)
     assert flex.loss_denominator == sdpa.loss_denominator
