@@ -28,6 +28,7 @@ from titan_draft.data.packing import PackingNode, collate_packed
 from titan_draft.data.reshard import reshard_position
 from titan_draft.data.sources.chat import STATE_KEY, ChatSourceNode, Sample
 from titan_draft.data.sources.registry import LoaderContext, get_data_source, loader_source
+from titan_draft.data.sources.render_pool import default_render_workers
 from titan_draft.data.sources.rows import split_rows
 from titan_draft.data.tokenizer import Tokenizer
 from titan_draft.data.worker_errors import ForwardErrorsNode
@@ -154,16 +155,19 @@ def build_dataloader(
 
 
 def epoch_samples(data_cfg: Any, tokenizer: Tokenizer, *, chat: Any = None, dp_rank: int, dp_world: int, seed: int,
-                  reserved_ids: frozenset[int] = frozenset()):
+                  reserved_ids: frozenset[int] = frozenset(), render_workers: int | None = None):
     """This DP rank's usable samples of ``data.source`` once, rendered and truncated as training
     renders them (what a draft's data pass, e.g. EAGLE-3's vocabulary count, and prepare_features
     read). Offline too: ``data.source`` names the conversations behind a feature cache. ``chat``
-    as in ``build_dataloader``."""
+    as in ``build_dataloader``; ``render_workers``: forked processes that render a conversation
+    source (the same samples in the same order; None: ``default_render_workers()``, up to 8;
+    ``sources/render_pool.py``)."""
     source = get_data_source(data_cfg.source)
     if source.samples is None:
         raise ValueError(f"data.source: {data_cfg.source!r} ({source.name}) gives no token rows to read once")
     ctx = LoaderContext(data=data_cfg, tokenizer=tokenizer, chat=chat or build_chat_format(data_cfg, tokenizer),
-                        dp_rank=dp_rank, dp_world=dp_world, seed=seed, reserved_ids=frozenset(reserved_ids))
+                        dp_rank=dp_rank, dp_world=dp_world, seed=seed, reserved_ids=frozenset(reserved_ids),
+                        render_workers=default_render_workers() if render_workers is None else render_workers)
     yield from source.samples(ctx)
 
 
@@ -200,7 +204,7 @@ def build_chat_loader(ctx: LoaderContext) -> ChatDataLoader:
 
 def chat_samples(ctx: LoaderContext):
     """A conversation source's usable samples once, in source order."""
-    yield from _chat_source(replace(ctx, static_shapes=False, warn_below_rows=0)).usable_samples()
+    yield from _chat_source(replace(ctx, static_shapes=False, warn_below_rows=0)).usable_samples(ctx.render_workers)
 
 
 def _chat_source(ctx: LoaderContext) -> ChatSourceNode:

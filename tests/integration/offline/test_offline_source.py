@@ -147,8 +147,6 @@ def test_checksum_mismatch_refused_before_start(cache, tmp_path):
     (["--data.system_prompt", "You are a pirate."], r"^data.system_prompt: .*manifest.json was captured with system"),
 ])
 def test_manifest_mismatch_names_the_field(cache, override, match):
-    import re
-
     assert re.search(match, _refused(cache["argv"] + ["--data.feature_cache", cache["folder"], *override]))
 
 

@@ -24,7 +24,7 @@ _args = partial(debug_job_argv, "eagle3")  # (dump, target, data, *extra)
 
 def test_trains_resumes_exports_and_decodes(tmp_path, random_target_dir, chat_jsonl):
     common = ("--training.steps", "6", "--checkpoint.interval", "3")
-    full = check_exact_resume(lambda dump: _args(dump, random_target_dir, chat_jsonl, *common), tmp_path)
+    check_exact_resume(lambda dump: _args(dump, random_target_dir, chat_jsonl, *common), tmp_path)
 
     # the vocabulary pass counted every usable row's loss tokens, as training renders them
     cfg = ConfigManager().parse_args(_args(tmp_path, random_target_dir, chat_jsonl))

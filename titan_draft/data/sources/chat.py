@@ -14,6 +14,7 @@ import torch
 import torchdata.nodes as tn
 
 from titan_draft.data.chat.template import render_chat
+from titan_draft.data.sources.render_pool import rendered_in_order
 from titan_draft.data.sources.rows import normalize_row
 from titan_draft.data.tokenizer import Tokenizer
 from titan_draft.data.worker_errors import row_error
@@ -168,10 +169,10 @@ class ChatSourceNode(tn.BaseNode[Sample]):
         """``row`` as a sample, or the reason it is skipped (a ``SKIP_REASONS`` name)."""
         return self._sample(row)
 
-    def usable_samples(self):
-        """Every usable row once, in source order (a counting pass; the node's state is untouched)."""
-        for row in self.rows:
-            sample = self._sample(row)
+    def usable_samples(self, workers: int = 1, chunk_rows: int = 512):
+        """Every usable row once, in source order (a counting pass; the node's state is untouched),
+        rendered by ``workers`` forked processes where the rows are many (``render_pool.py``)."""
+        for sample in rendered_in_order(self, workers, chunk_rows):
             if not isinstance(sample, str):
                 yield sample
 

@@ -54,6 +54,8 @@ class LoaderContext:
     need_last_hidden: bool = False
     pin_memory: bool = False
     """Pin batches in the loader's thread (training on CUDA)."""
+    render_workers: int = 1
+    """Processes that render a counting pass of a conversation source (``epoch_samples``)."""
 
 
 @dataclass(frozen=True)
