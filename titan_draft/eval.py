@@ -80,15 +80,15 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def maybe_load_greedy_cache(a, target, device: torch.device):
-    """``(setting, cache, keys already there)`` for ``--greedy-cache``, or None without it."""
+def maybe_load_greedy_cache(a, fingerprint: str | None, device: torch.device):
+    """``(setting, cache, keys already there)`` for ``--greedy-cache``, or None without it;
+    ``fingerprint``: the loaded target's frozen tables (``build_target_record``)."""
     if not a.greedy_cache:
         return None
     if a.temperature > 0 or a.no_lossless_check:
         raise ValueError("--greedy-cache keeps plain greedy decodes: it needs --temperature 0 and the lossless check")
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError("--greedy-cache: one process only (each rank would decode, and write, part of the prompts)")
-    fingerprint = build_target_record(target, target.args, target.family)["table_fingerprint"]
     setting = cache_setting(a.target, fingerprint, a.dtype, device, not a.no_cuda_graphs)
     cache = load_greedy_cache(a.greedy_cache, setting)
     return setting, cache, set(cache)
@@ -159,9 +159,11 @@ def main(argv: list[str] | None = None) -> None:
         facts = {"family": family, **{k: getattr(target_args, k, None) for k in TARGET_FACTS[1:]}}
         check_eval_target(a, recorded, facts)  # from config.json alone, before the weights load
         target = load_target(a.target, dtype=dtype, device=device, backend=backend)
-        if recorded is not None:  # the weights: only once they are loaded
-            loaded = build_target_record(target, target.args, target.family)
-            check_eval_target(a, recorded, {"table_fingerprint": loaded["table_fingerprint"]})
+        fingerprint = None
+        if recorded is not None or a.greedy_cache:  # the weights: only once they are loaded
+            fingerprint = build_target_record(target, target.args, target.family)["table_fingerprint"]
+        if recorded is not None:
+            check_eval_target(a, recorded, {"table_fingerprint": fingerprint})
         tokenizer = build_tokenizer(a.target)
         chat = resolve_chat_format(  # the training run's format unless the command line says otherwise
             tokenizer, template=a.chat_template or run.get("chat_template", "auto"),
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
             holdout_rows=run.get("holdout_rows", 0) if a.holdout_rows is None else a.holdout_rows,
             max_prompt_tokens=a.max_prompt_tokens,
         )
-        greedy = maybe_load_greedy_cache(a, target, device)
+        greedy = maybe_load_greedy_cache(a, fingerprint, device)
     except ValueError as e:
         print(f"titan_draft.eval: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
