@@ -25,8 +25,8 @@ from models.common.rope import apply_rope
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
-__all__ = ["BlockAttention", "BlockDecoderLayer", "DraftBlocks", "Rope", "build_blocks", "make_mask_mod",
-           "sample_anchors"]
+__all__ = ["BlockAttention", "BlockDecoderLayer", "DraftBlocks", "Rope", "anchor_fill", "build_blocks",
+           "make_mask_mod", "sample_anchors"]
 
 
 def sample_anchors(
@@ -72,6 +72,14 @@ def sample_anchors(
     keep = order_key < width
     anchors = torch.where(keep, order_key, torch.zeros_like(order_key))
     return anchors, keep
+
+
+def anchor_fill(keep: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``anchor_fill`` metric, ``(kept anchors, anchor slots)``: the share of ``num_anchors``
+    a step trains. Below 1, rows have fewer anchor candidates than slots (short padded rows):
+    packing, or fewer anchors, fills them; near 1, more anchors would add signal."""
+    kept = keep.to(dtype).sum()
+    return kept, torch.full_like(kept, keep.numel())
 
 
 @dataclass

@@ -164,6 +164,7 @@ def _reference(model, f, anchors, keep, alpha):
     for i in range(B):
         ctx = _rms(f.aux_hidden[i] @ P["fc.weight"].t(), P["hidden_norm.weight"], a.rms_norm_eps)
         for n in range(anchors.shape[1]):
+            add("anchor_fill", float(keep[i, n]), 1.0)  # every anchor slot, trained or not
             if not keep[i, n]:
                 continue
             anchor = anchors[i, n].item()
