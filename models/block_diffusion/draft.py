@@ -22,11 +22,11 @@ from torch.distributed.tensor import DTensor
 from models.block_diffusion.args import BlockDiffusionArgs
 from models.common.attention import build_attention_mask, resolve_attention_backend
 from models.block_diffusion.documents import anchor_documents, row_spans
-from models.block_diffusion.layers import DraftBlocks, Rope, build_blocks, make_mask_mod, sample_anchors
+from models.block_diffusion.layers import DraftBlocks, Rope, anchor_fill, build_blocks, make_mask_mod, sample_anchors
 from models.block_diffusion.mask import block_diffusion_block_mask
 from models.common.norm import RMSNorm
 from models.common.rope import rope_cos_sin
-from titan_draft.protocols.features import TargetFeatures
+from titan_draft.protocols.features import DraftOutput, TargetFeatures
 
 __all__ = ["BlockDiffusionDraft"]
 
@@ -96,6 +96,18 @@ class BlockDiffusionDraft(nn.Module):
         spans = row_spans(features)
         return sample_anchors(features.loss_mask, features.valid_lengths, a.num_anchors, a.static_anchors, generator,
                               ends=None if spans is None else spans[1])
+
+    def forward(self, features: TargetFeatures, *, generator: torch.Generator | None = None) -> DraftOutput:
+        """A training step's loss: anchors sampled, then the draft's ``forward_with_anchors``; and
+        ``anchor_fill``, the share of the anchor slots the sampler filled (``layers.anchor_fill``)."""
+        anchors, keep = self.sample_anchors(features, generator)
+        out = self.forward_with_anchors(features, anchors, keep)
+        out.metrics["anchor_fill"] = anchor_fill(keep, out.loss_denominator.dtype)
+        return out
+
+    def forward_with_anchors(self, features: TargetFeatures, anchors: torch.Tensor, keep: torch.Tensor) -> DraftOutput:
+        """The loss for given ``anchors [B, N]`` / ``keep [B, N]`` (as from ``sample_anchors``)."""
+        raise NotImplementedError
 
     def block_hidden(
         self, features: TargetFeatures, anchors: torch.Tensor, keep: torch.Tensor

@@ -73,10 +73,6 @@ class DFlash2Draft(BlockDiffusionDraft):
         else:
             self.selector_alpha = float(a.selector_loss_weight)
 
-    def forward(self, features: TargetFeatures, *, generator: torch.Generator | None = None) -> DraftOutput:
-        anchors, keep = self.sample_anchors(features, generator)
-        return self.forward_with_anchors(features, anchors, keep)
-
     def forward_with_anchors(self, features: TargetFeatures, anchors: torch.Tensor, keep: torch.Tensor) -> DraftOutput:
         """Forward for given ``anchors [B, N]`` / ``keep [B, N]`` (as from ``sample_anchors``)."""
         a = self.args

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from models.common import chunked_cross_entropy
-from models.block_diffusion.layers import DraftBlocks, anchor_fill
+from models.block_diffusion.layers import DraftBlocks
 from titan_draft.protocols.features import DraftOutput
 
 
@@ -65,7 +65,6 @@ def dflash_objective(
         metrics[f"acc_{k}"] = ((m3[:, :, k - 1] * c3[:, :, k - 1]).sum(), m3[:, :, k - 1].sum())
     keep = blocks.keep.to(acc_dtype)
     metrics["accept_len"] = (_accept_len_sum(m3 * c3, keep), keep.sum())
-    metrics["anchor_fill"] = anchor_fill(blocks.keep, acc_dtype)
 
     if selector is not None:
         unary = out.topk_values.detach() if detach_unary else out.topk_values

@@ -42,10 +42,6 @@ class DSparkDraft(BlockDiffusionDraft):
     def set_train_progress(self, step: int, total_steps: int) -> None:
         pass
 
-    def forward(self, features: TargetFeatures, *, generator: torch.Generator | None = None) -> DraftOutput:
-        anchors, keep = self.sample_anchors(features, generator)
-        return self.forward_with_anchors(features, anchors, keep)
-
     def forward_with_anchors(self, features: TargetFeatures, anchors: torch.Tensor, keep: torch.Tensor) -> DraftOutput:
         """Forward for given ``anchors [B, N]`` / ``keep [B, N]`` (as from ``sample_anchors``)."""
         if features.last_hidden is None:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from models.block_diffusion.documents import AnchorDocuments, clamp_to_document
-from models.block_diffusion.layers import DraftBlocks, anchor_fill
+from models.block_diffusion.layers import DraftBlocks
 from models.dspark.loss import markov_distill, start_teacher_spans
 from titan_draft.protocols.features import DraftOutput
 
@@ -131,7 +131,6 @@ def dspark_objective(draft, hidden: torch.Tensor, blocks: DraftBlocks, last_hidd
         metrics[f"acc_{k}"] = (ok3[:, :, k].sum(), m3[:, :, k].sum())
         metrics[f"accept_rate_{k}"] = (acc3[:, :, k].sum(), m3[:, :, k].sum())
     keep = blocks.keep.to(acc)
-    metrics["anchor_fill"] = anchor_fill(blocks.keep, acc)
     # greedy: accepted up to the first miss; T = 1: expected accepted length of the block
     metrics["accept_len"] = ((keep * (1.0 + torch.cumprod(ok3, dim=-1).sum(dim=-1))).sum(), keep.sum())
     metrics["tau_probabilistic"] = ((keep * (1.0 + torch.cumprod(acc3, dim=-1).sum(dim=-1))).sum(), keep.sum())

@@ -56,8 +56,9 @@ FAKE_TRAINER = textwrap.dedent("""
             return
         os.write(2, b"rank: got SIGTERM, saving\\n")  # not print: it may interrupt one
         time.sleep(1.5)
-        with open(os.path.join(out, "saved"), "w") as f:
+        with open(os.path.join(out, "saved.tmp"), "w") as f:  # then renamed: the test polls for "saved"
             f.write(str(len(got)))
+        os.replace(os.path.join(out, "saved.tmp"), os.path.join(out, "saved"))
         sys.exit(0)
     signal.signal(signal.SIGTERM, stop)
     print("rank: training", file=sys.stderr, flush=True)
