@@ -57,3 +57,27 @@ def test_default_workers_share_the_cores_among_the_ranks(monkeypatch):
     assert default_render_workers() == 8  # at most 8
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0}, raising=False)
     assert default_render_workers() == 1
+
+
+class _Logged:
+    """A source node whose rows, wherever rendered, are logged to a file (one line each)."""
+
+    def __init__(self, path, n):
+        self.path, self.rows = str(path), list(range(n))
+
+    def _sample(self, row):
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.write(fd, f"{row}\n".encode())
+        os.close(fd)
+        return row
+
+
+def test_a_slow_reader_holds_a_few_chunks_not_the_source(tmp_path):
+    import time
+
+    node = _Logged(tmp_path / "rendered", 24)  # 12 chunks of 2 for 2 workers
+    rows = rendered_in_order(node, 2, 2)
+    assert next(rows) == 0
+    time.sleep(1.0)  # the workers would render everything by now if nothing held them back
+    assert len((tmp_path / "rendered").read_text().split()) <= (2 * 2 + 1) * 2
+    assert [0, *rows] == list(range(24))

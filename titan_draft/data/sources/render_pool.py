@@ -11,6 +11,8 @@ handlers.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import multiprocessing as mp
 import os
 from typing import Any, Iterator
@@ -34,16 +36,22 @@ def default_render_workers() -> int:
 
 def rendered_in_order(node: Any, workers: int, chunk_rows: int = 512) -> Iterator:
     """``node._sample(row)`` for every row of ``node.rows`` in order (a sample or a skip reason);
-    by ``workers`` forked processes where there are at least two chunks of rows per worker."""
+    by ``workers`` forked processes where there are at least two chunks of rows per worker. At
+    most ``2 * workers`` chunks are rendered ahead of the reader: a slow reader (prepare_features'
+    target forward) holds a few chunks in memory, not the whole source."""
     global _NODE
     n = len(node.rows)
     if workers <= 1 or n < 2 * workers * chunk_rows or "fork" not in mp.get_all_start_methods():
         yield from map(node._sample, node.rows)
         return
+    chunks = iter([(i, min(i + chunk_rows, n)) for i in range(0, n, chunk_rows)])
     _NODE = node
     try:
         with mp.get_context("fork").Pool(workers) as pool:
-            for part in pool.imap(_render, [(i, min(i + chunk_rows, n)) for i in range(0, n, chunk_rows)]):
+            ahead = collections.deque(pool.apply_async(_render, (c,)) for c in itertools.islice(chunks, 2 * workers))
+            while ahead:
+                part = ahead.popleft().get()
+                ahead.extend(pool.apply_async(_render, (c,)) for c in itertools.islice(chunks, 1))
                 yield from part
     finally:
         _NODE = None
