@@ -131,7 +131,6 @@ def ttt_objective(draft, f: TargetFeatures) -> DraftOutput:
     mask_mod = ttt_mask_mod(seq, lengths, starts)
     # flex: each step's BlockMask from its tile structure (no dense [B, Q, KV] evaluation of the
     # mask_mod, which is still what flex applies inside the partial tiles); sdpa: the dense mask.
-    # The diagonal form uses step 0's mask at every step (ttt_attention.py).
     flex = resolve_attention_backend(a.attn_backend, device) == "flex"
     diagonal = a.ttt_attention == "diagonal"
     loss_sum = torch.zeros((), device=device, dtype=acc_dtype)
@@ -144,12 +143,11 @@ def ttt_objective(draft, f: TargetFeatures) -> DraftOutput:
     for i in range(a.ttt_steps):
         tokens = _shift_in_documents(f.input_ids, 1 + i, valid) if packed else _shift(f.input_ids, 1 + i)
         rope = draft.rope(rope_positions + i, acc_dtype)
-        step = 0 if diagonal else i
-        if i == 0 or not diagonal:
+        if i == 0 or not diagonal:  # the diagonal form keeps step 0's mask
             if flex:
-                attn_mask = ttt_block_mask(seq, lengths, step, mask_mod=mask_mod, starts=starts)
+                attn_mask = ttt_block_mask(seq, lengths, i, mask_mod=mask_mod, starts=starts)
             else:
-                attn_mask = build_attention_mask(mask_mod, bsz, seq, (step + 1) * seq, device, a.attn_backend)
+                attn_mask = build_attention_mask(mask_mod, bsz, seq, (i + 1) * seq, device, a.attn_backend)
         attend = build_diagonal_past(past, diagonal_slots(a.ttt_steps)) if diagonal and i > 0 else past
         out, kv = draft.midlayer(draft.embed(tokens, dtype), hidden, rope, attend, attn_mask)
         past.append(kv)
