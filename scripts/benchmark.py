@@ -59,12 +59,15 @@ TARGETS = {  # name -> target.flavor at (production, tiny) shape, target.family
     "online": ("qwen3_8b", "debugmodel", "qwen3"),
     # a random-weight Qwen3-30B-A3B-shaped mixture-of-experts target (128 experts, top 8)
     "online_moe": ("qwen3_30b_a3b", "debugmodel", "qwen3_moe"),
+    # the same MoE-width draft on random features: online_moe minus this row is the MoE target's share
+    "synthetic_moe": ("synthetic:qwen3_30b_a3b", "synthetic:debugmodel", "qwen3_moe"),
 }
 # A draft works at its target's width: the production draft flavors are Qwen3-8B's (hidden 4096),
 # so a target of another width gives them its attention and MLP shape (every draft's args have
 # these names). Qwen3-30B-A3B: hidden 2048, 32 query / 4 key-value heads of 128, dense MLP 6144.
 TARGET_DRAFT_ARGS = {
     "online_moe": {"hidden_size": 2048, "intermediate_size": 6144, "num_key_value_heads": 4},
+    "synthetic_moe": {"hidden_size": 2048, "intermediate_size": 6144, "num_key_value_heads": 4},
 }
 # synthetic rows (fixed: every position real; varmask: a 20-80 % prompt; varlen: lengths from
 # max_length / 8 up; first_exchange / conversation: the recorded lengths of ShareGPT's first
@@ -286,8 +289,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="comma list of training.grad_accum_steps values")
     p.add_argument("--targets", type=_csv, default=["synthetic", "online"],
                    help="comma list of synthetic (random features, no target forward), online "
-                        "(random-weight Qwen3-8B-shaped target) and online_moe (random-weight "
-                        "Qwen3-30B-A3B-shaped MoE target); the first one gets the full ladder")
+                        "(random-weight Qwen3-8B-shaped target), online_moe (random-weight "
+                        "Qwen3-30B-A3B-shaped MoE target) and synthetic_moe (random features at that "
+                        "target's width: the MoE target's share is online_moe minus it); the first "
+                        "one gets the full ladder")
     p.add_argument("--side-variants", type=_csv, default=None,
                    help="variants run for the side rows (accum values after the first, targets after "
                         "the first; first mode only), or 'all' (default: eager and float8 where run)")

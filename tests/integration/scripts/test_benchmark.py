@@ -292,18 +292,21 @@ def test_benchmark_tiny_moe_target(tmp_path):
     assert math.isfinite(r["final_loss"]) and r["step_ms_median"] > 0
 
 
+@pytest.mark.parametrize("target_case", ["online_moe", "synthetic_moe"])
 @pytest.mark.parametrize("draft", ["dflash", "dflash2", "eagle3", "dspark"])
-def test_moe_target_row_fits_each_production_draft_to_its_width(draft, tok):
+def test_moe_target_row_fits_each_production_draft_to_its_width(draft, target_case, tok):
     """At the production shape the online_moe case's job resolves: the Qwen3-8B-shaped draft
-    flavor takes the Qwen3-30B-A3B target's width, and its capture layers lie in its 48 layers."""
+    flavor takes the Qwen3-30B-A3B target's width, and its capture layers lie in its 48 layers.
+    synthetic_moe (the same draft on random features, subtracted to give the target's share)
+    builds the same draft."""
     from titan_draft.components.model_args import resolve_model_args
     from titan_draft.data.chat.format import build_chat_format
     from titan_draft.protocols.model_spec import get_model_spec
     from titan_draft.protocols.target_spec import random_target_args
 
     bench = _load_benchmark_module()
-    cfg = ConfigManager().parse_args(bench.Case(draft, "varmask", 1, "online_moe", "float8").overrides(2, 2048, 13, "/x"))
-    target = random_target_args(cfg.target.family, cfg.target.flavor)
+    cfg = ConfigManager().parse_args(bench.Case(draft, "varmask", 1, target_case, "float8").overrides(2, 2048, 13, "/x"))
+    target = random_target_args(cfg.target.family, cfg.target.flavor.removeprefix("synthetic:"))
     assert (cfg.target.family, target.num_experts, target.hidden_size) == ("qwen3_moe", 128, 2048)
     spec = get_model_spec(cfg.model.name)
     args = resolve_model_args(spec, cfg, target, tok, build_chat_format(cfg.data, tok))
