@@ -112,18 +112,19 @@ def _sync(device) -> None:
 
 @torch.no_grad()
 def bench_proposer(target, kind: str, flavor: str, context: int, warmup: int, iters: int, device="cuda",
-                   modes=(False, True)) -> dict[bool, tuple[float, float]]:
+                   modes=(False, True), **options) -> dict[bool, tuple[float, float]]:
     """``{graphs: (proposal ms, draft round ms)}`` of ``kind`` after ``context`` committed tokens,
     eager (False) and with the proposal as a CUDA graph (True). The proposal is timed up to its
-    tokens read on the host (the eval reads them); the round adds the eager commit of the round's
-    token (nothing accepted: one token a round), the draft's whole share of a round."""
+    tokens read on the host (the eval reads them); the round adds the commit of the round's
+    token (nothing accepted: one token a round), the draft's whole share of a round. ``options``:
+    the proposer's (``graph_commit=True``: the commit replayed too, where graphs are on)."""
     draft, proposer_cls = _build_proposal(kind, flavor, target, device)
     layers = list(draft.args.target_layer_ids)
     ids = torch.randint(0, target.args.vocab_size - 1, (1, context + warmup + iters + 1), device=device)
     aux = target.capture(ids, layers, False)[0][0]
     out = {}
     for graphs in modes:
-        p = proposer_cls(draft, graphs=graphs)
+        p = proposer_cls(draft, graphs=graphs, **options)
         p.reset(ids.shape[1] + 64)
         p.commit(ids[0, :context], aux[:context])
         proposal, rounds = [], []
@@ -173,8 +174,12 @@ def main(argv=None) -> None:
         raise SystemExit(f"bench_decode: --proposals: {bad} not among {list(PROPOSALS)}")
     for kind in kinds:
         t = bench_proposer(target, kind, a.draft_flavor, a.context, a.warmup, a.iters)
-        for i, what in enumerate(("proposal", "draft round (proposal + commit of 1 token)")):
-            eager, graphs = t[False][i], t[True][i]
+        rows = [("proposal", t[False][0], t[True][0]),
+                ("draft round (proposal + commit of 1 token)", t[False][1], t[True][1])]
+        if kind != "eagle3":  # the block drafts' fixed-width commit (graph_commit)
+            f = bench_proposer(target, kind, a.draft_flavor, a.context, a.warmup, a.iters, graph_commit=True)
+            rows.append(("draft round, graph_commit", f[False][1], f[True][1]))
+        for what, eager, graphs in rows:
             print(f"| {kind} `{a.draft_flavor}` {what}, batch 1 | {eager:.2f} | {graphs:.2f} | "
                   f"{eager / graphs:.2f}x | - |", flush=True)
 

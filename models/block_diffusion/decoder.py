@@ -14,6 +14,16 @@ drafting against ~4 ms for the target's graphed verify pass). It is the default 
 device: on the H200 (2026-12-01) graphed proposals equalled eager ones
 (``tests/unit/models/dflash2/test_models_dflash2_proposal.py``) and a SmolLM2 DFlash2 proposal took 1.45 ms instead of
 11.99 (``scripts/bench_decode.py``); ``--proposer-option graphs=false`` drafts eagerly.
+
+The commit of a round's tokens (their context keys and values, every layer) then became the
+draft's larger share of a round: 1.2-1.3 ms eagerly for DFlash2 and DSpark on the same H200 against
+~1.1 ms for the replayed proposal. ``graph_commit=True`` gives it fixed shapes too: a round
+commits at most ``num_draft_tokens + 1`` tokens, so every such commit computes that many rows
+(the round's, then whatever the input buffer held before) and writes them at the device-side
+length; only the round's rows are counted, and the rest, past the length, are masked out of every
+block and overwritten by the next commit. Replayed as a CUDA graph with ``graphs``; eagerly it is
+the same computation (what the CPU tests check against the plain commit). Longer commits (the
+prompt) run the plain commit.
 """
 
 from __future__ import annotations
@@ -34,9 +44,11 @@ class BlockDecoder:
     Args:
         draft: the draft.
         graphs: replay proposals as CUDA graphs (needs a CUDA device); None: on a CUDA device.
+        graph_commit: commit a round's tokens with fixed shapes, replayed as a CUDA graph with
+            ``graphs`` (module docstring).
     """
 
-    def __init__(self, draft, graphs: bool | None = None):
+    def __init__(self, draft, graphs: bool | None = None, graph_commit: bool = False):
         if draft.target_lm_head.shape[0] == 0:
             raise RuntimeError(f"{type(self).__name__}: call load_frozen_tables() on the draft first")
         self.draft = draft
@@ -52,6 +64,9 @@ class BlockDecoder:
         self._masks = torch.full((b - 1,), draft.args.mask_token_id, dtype=torch.long, device=self.device)
         self._block_slots = torch.arange(b, device=self.device)
         self._graph = None
+        self.graph_commit = bool(graph_commit)
+        self._commit_graph = None
+        self._commit_rows = None  # [num_draft_tokens + 1, K*H]: the fixed commit's input
         self.sampler = DraftSampler(b, self.device)
         self.draft_probs: torch.Tensor | None = None
 
@@ -82,7 +97,7 @@ class BlockDecoder:
         self._k, self._v = k, v
         # context slots, then the block's own b: a block row sees the filled context and its block
         self._kv_slots = torch.arange(size + a.block_size, device=self.device)
-        self._graph = None  # bound to the old buffers
+        self._graph = self._commit_graph = None  # bound to the old buffers
 
     @torch.no_grad()
     def commit(self, token_ids: torch.Tensor, aux: torch.Tensor, last_hidden: torch.Tensor | None = None) -> None:
@@ -90,6 +105,16 @@ class BlockDecoder:
         tokens): each layer's keys and values of them, computed once."""
         n = aux.shape[0]
         end = self.length + n
+        width = self.num_draft_tokens + 1 if self.graph_commit else 0
+        if 0 < n <= width:
+            self._reserve(self.length + width)
+            if self._commit_rows is None:
+                self._commit_rows = torch.zeros(width, aux.shape[1], dtype=self.dtype, device=self.device)
+            self._commit_rows[:n].copy_(aux)
+            self._run(self._commit_fixed, "_commit_graph")
+            self.length = end
+            self._len.fill_(end)
+            return
         self._reserve(end)
         d = self.draft
         ctx = d.context(aux[None])
@@ -101,6 +126,18 @@ class BlockDecoder:
             self._v[i, :, :, self.length:end] = v
         self.length = end
         self._len.fill_(end)
+
+    def _commit_fixed(self) -> None:
+        """Keys and values of every row of the fixed commit's input buffer at positions
+        ``length ..``, the length read on the device (graph-safe)."""
+        d = self.draft
+        ctx = d.context(self._commit_rows[None])
+        slots = self._len + torch.arange(ctx.shape[1], device=self.device)
+        rope = d.rope(slots[None], self.acc_dtype)
+        for i, layer in enumerate(d.layers.values()):
+            k, v = layer.self_attn.keys_values(ctx, rope)
+            self._k[i].index_copy_(2, slots, k)
+            self._v[i].index_copy_(2, slots, v)
 
     @torch.no_grad()
     def block_hidden(self, last_token: int | None = None) -> torch.Tensor:
@@ -126,10 +163,15 @@ class BlockDecoder:
         or replayed from its CUDA graph."""
         self._anchor.fill_(last_token)
         self.sampler.draw_uniforms()
+        return self._run(propose, "_graph")
+
+    def _run(self, fn: Callable[[], torch.Tensor | tuple | None], slot: str):
+        """``fn()`` eagerly, or replayed from the CUDA graph kept in attribute ``slot`` (captured
+        on first use); the outputs copied (the next replay overwrites them)."""
         if not self.graphs:
-            return propose()
-        if self._graph is None:
-            self._graph = capture_graph(propose)
-        graph, out = self._graph
+            return fn()
+        if getattr(self, slot) is None:
+            setattr(self, slot, capture_graph(fn))
+        graph, out = getattr(self, slot)
         graph.replay()
-        return clone_outputs(out)
+        return None if out is None else clone_outputs(out)

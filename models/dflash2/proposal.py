@@ -18,10 +18,12 @@ from models.dflash2.model import DFlash2Draft
 
 class DFlashProposer(BlockDecoder):
     """:class:`~titan_draft.protocols.proposer.Proposer` of a plain (unsharded, eval-mode)
-    :class:`DFlash2Draft` with its frozen tables loaded."""
+    :class:`DFlash2Draft` with its frozen tables loaded (``graphs``, ``graph_commit``: as
+    :class:`BlockDecoder`'s)."""
 
-    def __init__(self, draft: DFlash2Draft, max_len: int = 0, graphs: bool | None = None):
-        super().__init__(draft, graphs)
+    def __init__(self, draft: DFlash2Draft, max_len: int = 0, graphs: bool | None = None,
+                 graph_commit: bool = False):
+        super().__init__(draft, graphs, graph_commit)
         a = draft.args
         self.num_draft_tokens = a.block_size - 1
         self.capture_layers = list(a.target_layer_ids)

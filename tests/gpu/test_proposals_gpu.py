@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from models.dflash2.proposal import DFlashProposer
 from models.dspark import DSparkProposer, dspark_flavors
 from models.dspark.model import DSparkDraft
 from models.eagle3 import Eagle3Draft, Eagle3Proposer, eagle3_flavors
@@ -101,6 +102,25 @@ def test_graphed_eagle3_equals_eager():
         torch.testing.assert_close(got, plain, **TOL)
 
 
+@pytest.mark.parametrize("kind", ["dflash2", "rnn"])
+@torch.no_grad()
+def test_graphed_commit_equals_the_plain_commit(kind):
+    """graph_commit=True: each round's commit replayed from one graph (lengths changing under it,
+    a reserve that grows past the first buffers: a new graph) leaves the context the plain eager
+    commit leaves, and the proposals over it are the same."""
+    from tests.unit.decoding.test_fixed_commit import dflash2_draft
+
+    d = (dflash2_draft("debugmodel") if kind == "dflash2" else dspark_draft(kind, seed=3)).float().to(DEV)
+    cls = DFlashProposer if kind == "dflash2" else DSparkProposer
+    graphed, plain = cls(d, graphs=True, graph_commit=True), cls(d, graphs=False)
+    run_rounds([graphed, plain], d.args.vocab_size, rounds=14, grow=300)
+    assert graphed._commit_graph is not None and graphed._k.shape[3] > 256
+    n = graphed.length
+    assert n == plain.length and int(graphed._len) == n
+    torch.testing.assert_close(graphed._k[..., :n, :], plain._k[..., :n, :], **TOL)
+    torch.testing.assert_close(graphed._v[..., :n, :], plain._v[..., :n, :], **TOL)
+
+
 V = 12  # a small vocabulary: random drafts are accepted now and then
 
 
@@ -124,10 +144,12 @@ def _eval_drafts(target):
                 p.add_(torch.randn_like(p) * 0.1)
         d.load_frozen_tables(target.embed_weight(), target.lm_head_weight())
     return {"dspark": (ds.eval(), lambda d, g: DSparkProposer(d, confidence_threshold=0.1, graphs=g)),
+            "dspark_graph_commit": (ds.eval(), lambda d, g: DSparkProposer(d, confidence_threshold=0.1, graphs=g,
+                                                                            graph_commit=bool(g))),
             "eagle3": (ea.eval(), lambda d, g: Eagle3Proposer(d, graphs=g))}
 
 
-@pytest.mark.parametrize("draft", ["dspark", "eagle3"])
+@pytest.mark.parametrize("draft", ["dspark", "dspark_graph_commit", "eagle3"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @torch.no_grad()
 def test_eval_tau_is_the_same_with_graphs_on_and_off(draft, temperature):

@@ -1,0 +1,79 @@
+"""The fixed-width commit of a block-diffusion proposer (``graph_commit=True``: what a CUDA graph
+replays, run eagerly here) leaves the draft in the state the plain commit leaves it: the same
+context keys and values up to the committed length and the same proposals, round after round,
+with rows past the length computed and never seen (float64, tiny random DSpark and DFlash2
+drafts). The GPU side is tests/gpu/test_proposals_gpu.py."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from models.dflash2.args import dflash2_flavors
+from models.dflash2.model import DFlash2Draft
+from models.dflash2.proposal import DFlashProposer
+from models.dspark import DSparkProposer
+from tests.unit.decoding.test_proposals_graph_safe import dspark_draft, no_host_reads, run_rounds
+
+VOCAB = 263
+
+
+def dflash2_draft(flavor: str) -> DFlash2Draft:
+    a = replace(dflash2_flavors[flavor], vocab_size=VOCAB, target_layer_ids=[0, 3, 5], num_target_layers=6,
+                mask_token_id=VOCAB - 1)
+    torch.manual_seed(1)
+    d = DFlash2Draft(a).double()
+    d.init_weights()
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            p.add_(torch.randn_like(p) * (0.2 if "norm" in name else 0.1))
+    g = torch.Generator().manual_seed(2)
+    tables = [torch.randn(VOCAB, a.hidden_size, generator=g, dtype=torch.float64) for _ in range(2)]
+    d.load_frozen_tables(*tables)
+    return d.eval()
+
+
+def _pair(kind: str):
+    if kind == "dflash2":
+        d = dflash2_draft("debugmodel")
+        return d, DFlashProposer(d, graph_commit=True), DFlashProposer(d)
+    d = dspark_draft(kind)
+    return d, DSparkProposer(d, graph_commit=True), DSparkProposer(d)
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "rnn", "gated"])
+def test_fixed_commit_leaves_the_plain_commits_state(kind):
+    d, fixed, plain = _pair(kind)
+    width = fixed.num_draft_tokens + 1
+    commits = []
+    real_commit = fixed._commit_fixed
+
+    def counted():
+        commits.append(fixed.length)
+        real_commit()
+
+    fixed._commit_fixed = counted
+    accepted = run_rounds([fixed, plain], d.args.vocab_size, rounds=14, grow=300)
+    assert len(set(accepted)) > 2  # commits of 1 .. width tokens
+    assert len(commits) == 14  # every round's commit took the fixed path; the prompt and the 300 did not
+    assert fixed.length == plain.length and fixed._k.shape[3] > 256
+    n = fixed.length
+    torch.testing.assert_close(fixed._k[:, :, :, :n], plain._k[:, :, :, :n], rtol=0, atol=1e-12)
+    torch.testing.assert_close(fixed._v[:, :, :, :n], plain._v[:, :, :, :n], rtol=0, atol=1e-12)
+    assert int(fixed._len) == n
+    # rows past the length were written (and are masked): the last commit's spare rows are there
+    assert fixed._k[:, :, :, n : n + width].abs().sum() > 0 or accepted[-1] == width - 1
+
+
+def test_fixed_commit_reads_nothing_on_the_host():
+    d, fixed, _ = _pair("rnn")
+    run_rounds([fixed], d.args.vocab_size, rounds=2)
+    with no_host_reads():
+        fixed._commit_fixed()
+
+
+def test_plain_commit_is_the_default():
+    d = dspark_draft("rnn")
+    assert not DSparkProposer(d).graph_commit and not DFlashProposer(dflash2_draft("debugmodel")).graph_commit
