@@ -108,8 +108,11 @@ class GreedyRule:
             raise ValueError("greedy verification got draft distributions: the proposer is sampling at T = 0")
         choice = logits.argmax(dim=-1)  # the target's token after each input token
         n = draft.numel()
-        m = int((draft == choice[:n]).to(torch.long).cumprod(0).sum()) if n else 0
-        return m, choice[: m + 1].tolist()
+        # the round's one read of the device: drafts and choices together, compared on the host
+        both = torch.cat([draft, choice]).tolist()
+        drafted, chosen = both[:n], both[n:]
+        m = next((i for i, (d, c) in enumerate(zip(drafted, chosen)) if d != c), n)
+        return m, chosen[: m + 1]
 
 
 @torch.no_grad()
@@ -137,7 +140,9 @@ def speculative_decode(target, proposer: Proposer, prompt: list[int], max_new_to
         last = out.tokens[-1]
         draft = proposer.propose(last).to(device=device, dtype=torch.long).flatten()
         n = draft.numel()
-        inp = torch.cat([torch.tensor([last], device=device), draft])
+        # the newest token joins the drafts by a fill on the device: a copy from the host's
+        # pageable memory would wait for the proposal to finish before the verify is queued
+        inp = torch.cat([draft.new_full((1,), last), draft])
         step = target(inp[None], layers, need_last, cache=cache, logits="all")
         q = proposer.draft_probs
         m, new = rule.verify(draft, step.logits[0], q)

@@ -155,3 +155,36 @@ def test_compare_reports_the_first_difference_with_margins(target):
     logits = target(torch.tensor([prompt + greedy.tokens[:4]]))[0, -1]
     assert d.recomputed_margin == pytest.approx(float(logits[greedy.tokens[4]] - logits[spec.tokens[4]]))
     assert d.recomputed_margin >= d.margin > 0  # top-1 minus top-2 is the smallest gap
+
+
+class _HostReadsFrom(torch.overrides.TorchFunctionMode):
+    """Counts what ``module``'s own lines do that reads the device on the host (or copies from
+    the host's memory into it): on a GPU each is a wait for everything queued before it."""
+
+    READS = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "tensor", "cpu", "numpy"}
+
+    def __init__(self, module: str):
+        super().__init__()
+        self.module, self.calls = module, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        import sys
+
+        name = getattr(func, "__name__", "")
+        if name in self.READS and sys._getframe(1).f_code.co_filename.endswith(self.module):
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("right", [0, 2, 7])
+def test_a_greedy_round_reads_the_device_once(target, right):
+    """The loop's own work between a proposal and the next reads the device once a round (the
+    drafts and the target's choices together), whatever was accepted: the prefill's two reads
+    (the prompt in, its token out), then one per round."""
+    prompt = _prompt(9, 3)
+    truth = greedy_decode(target, prompt, 40, [], CPU).tokens
+    proposer = ScriptedProposer(prompt, truth, 7, right)
+    with _HostReadsFrom("decoding/speculative.py") as reads:
+        spec = speculative_decode(target, proposer, prompt, 30, [], CPU)
+    assert spec.tokens == truth[:30] and spec.rounds > 3
+    assert len(reads.calls) == 2 + spec.rounds, reads.calls
