@@ -65,10 +65,8 @@ TARGETS = {  # name -> target.flavor at (production, tiny) shape, target.family
 # A draft works at its target's width: the production draft flavors are Qwen3-8B's (hidden 4096),
 # so a target of another width gives them its attention and MLP shape (every draft's args have
 # these names). Qwen3-30B-A3B: hidden 2048, 32 query / 4 key-value heads of 128, dense MLP 6144.
-TARGET_DRAFT_ARGS = {
-    "online_moe": {"hidden_size": 2048, "intermediate_size": 6144, "num_key_value_heads": 4},
-    "synthetic_moe": {"hidden_size": 2048, "intermediate_size": 6144, "num_key_value_heads": 4},
-}
+_MOE_WIDTH = {"hidden_size": 2048, "intermediate_size": 6144, "num_key_value_heads": 4}
+TARGET_DRAFT_ARGS = {"online_moe": _MOE_WIDTH, "synthetic_moe": _MOE_WIDTH}
 # synthetic rows (fixed: every position real; varmask: a 20-80 % prompt; varlen: lengths from
 # max_length / 8 up; first_exchange / conversation: the recorded lengths of ShareGPT's first
 # exchanges / whole conversations, scripts/length_histogram.py), "sharegpt" (the packaged ShareGPT conversations, real lengths), or a path to a
