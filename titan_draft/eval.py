@@ -32,6 +32,7 @@ from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.decoding.acceptance import evaluate
 from titan_draft.decoding.evaluator import build_eval_draft
 from titan_draft.decoding.greedy_cache import cache_setting, load_greedy_cache, save_greedy_cache
+from titan_draft.decoding.round_timing import breakdown_line, round_breakdown
 from titan_draft.features.target import load_target, read_hf_config
 from titan_draft.protocols.target_spec import (
     get_target_spec,
@@ -73,11 +74,27 @@ def _parse(argv):
                    help="T = 0: reuse the plain greedy decodes (and their speed) in FILE made by an eval of "
                         "the same target, dtype and device on this machine since its boot, and add this "
                         "eval's (titan_draft/decoding/greedy_cache.py)")
+    p.add_argument("--round-timing", type=int, default=0, metavar="N",
+                   help="then decode the first N prompts again with each round's proposal, verify pass and "
+                        "commit timed apart (the first prompt as warm-up; titan_draft/decoding/round_timing.py)")
     p.add_argument("--out", default=None, help="write the report as JSON here")
     p.add_argument("--allow-target-mismatch", action="store_true",
                    help="evaluate even when --target differs from the target the export records (its layer "
                         "count, sizes, vocabulary or frozen tables); the differences are logged")
     return p.parse_args(argv)
+
+
+def check_round_timing(a, num_prompts: int) -> None:
+    """``--round-timing N``: greedy, one process, and a prompt to time after the warm-up one."""
+    if not a.round_timing:
+        return
+    if a.temperature > 0:
+        raise ValueError("--round-timing times greedy rounds: it needs --temperature 0")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("--round-timing: one process only")
+    if not 2 <= a.round_timing <= num_prompts:
+        raise ValueError(f"--round-timing {a.round_timing}: needs 2 .. {num_prompts} (the prompts; the first is "
+                         "the warm-up)")
 
 
 def maybe_load_greedy_cache(a, fingerprint: str | None, device: torch.device):
@@ -178,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
             max_prompt_tokens=a.max_prompt_tokens,
         )
         greedy = maybe_load_greedy_cache(a, fingerprint, device)
+        check_round_timing(a, len(prompts))
     except ValueError as e:
         print(f"titan_draft.eval: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -192,6 +210,11 @@ def main(argv: list[str] | None = None) -> None:
                       check_lossless=not a.no_lossless_check, temperature=a.temperature, seed=a.seed,
                       cuda_graphs=not a.no_cuda_graphs, greedy_cache=greedy[1] if greedy else None)
     print(report.table())
+    rounds = None
+    if a.round_timing:
+        rounds = round_breakdown(target, proposer, prompts[: a.round_timing], max_new_tokens=a.max_new_tokens,
+                                 stop_ids=stop_ids, device=device, cuda_graphs=not a.no_cuda_graphs)
+        print(breakdown_line(rounds))
     reused = 0
     if greedy:
         reused = len(greedy[2] & {(tuple(p.ids), a.max_new_tokens, tuple(sorted(stop_ids))) for p in prompts})
@@ -201,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             write_atomic(a.out, json.dumps({"target": a.target, "draft": a.draft, "dtype": a.dtype,
                                             "proposer_options": options, "greedy_from_cache": reused,
-                                            **report.to_json()}, indent=2))
+                                            **report.to_json(), **({"round_ms": rounds} if rounds else {})},
+                                           indent=2))
         except OSError as e:
             if not is_disk_full(e):
                 raise

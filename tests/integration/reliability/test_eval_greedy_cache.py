@@ -1,6 +1,7 @@
 """``python -m titan_draft.eval --greedy-cache FILE``: a second eval takes its plain greedy decodes
 (tokens, margins, speed) from the file instead of decoding them, checks its draft against them, and
-a file made with another setting is decoded anew, never trusted."""
+a file made with another setting is decoded anew, never trusted. Also ``--round-timing N`` (the
+eval's other option for timing studies): its report, and the settings it refuses."""
 
 from __future__ import annotations
 
@@ -87,3 +88,27 @@ def test_refused_in_one_line(export_dir, random_target_dir, tmp_path, capsys, ca
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"titan_draft.eval: error: {want}"), err
+
+
+def test_round_timing_adds_the_phases_to_the_report(export_dir, random_target_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    eval_main(["--target", random_target_dir, "--draft", export_dir, *EVAL, "--round-timing", "2", "--out", str(out)])
+    report = json.loads(out.read_text())
+    rounds = report["round_ms"]
+    # the second prompt's rounds (the first is the warm-up), decoded again the same way
+    assert rounds["rounds"] == report["prompts"][1]["rounds"] > 0
+    assert all(rounds[k] > 0 for k in ("proposal", "verify", "commit", "round"))
+    # every round holds its phases, so the median round is at least each phase's median
+    assert rounds["round"] >= max(rounds["proposal"], rounds["verify"], rounds["commit"])
+    assert "round (each phase synchronized, median of" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra,want", [
+    (("--round-timing", "1"), "--round-timing 1: needs 2 .. 2 (the prompts; the first is the warm-up)"),
+    (("--round-timing", "2", "--temperature", "1"), "--round-timing times greedy rounds: it needs --temperature 0"),
+])
+def test_round_timing_refused_in_one_line(export_dir, random_target_dir, capsys, extra, want):
+    with pytest.raises(SystemExit) as exit_info:
+        eval_main(["--target", random_target_dir, "--draft", export_dir, *EVAL, *extra])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"titan_draft.eval: error: {want}"
