@@ -16,9 +16,12 @@ During training the ``[eval]`` section runs the same measurement
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import sys
+import types
+import typing
 
 import torch
 import torch.distributed as dist
@@ -125,10 +128,39 @@ def parse_proposer_options(items: list[str]) -> dict:
     return options
 
 
+def _option_types(hint) -> tuple[type, ...]:
+    """The plain types an annotation allows (``bool | None`` -> ``(bool, NoneType)``); () when it
+    says nothing checkable."""
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return tuple(a for a in args if isinstance(a, type))
+
+
+def check_proposer_options(spec, options: dict) -> None:
+    """Each option's value against the type its proposer annotates (JSON gives bool, int, float,
+    str): ``graph_commit=False`` arrives as the text 'False', which would read as true."""
+    try:
+        params = inspect.signature(spec.build_proposer_fn, eval_str=True).parameters
+    except (TypeError, ValueError, NameError):
+        return
+    for key, value in options.items():
+        hint = params[key].annotation if key in params else inspect.Parameter.empty
+        allowed = () if hint is inspect.Parameter.empty else _option_types(hint)
+        if not allowed:
+            continue
+        ok = (isinstance(value, bool) and bool in allowed) or (
+            not isinstance(value, bool) and (isinstance(value, tuple(t for t in allowed if t is not bool))
+                                             or (isinstance(value, int) and float in allowed)))
+        if not ok:
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"--proposer-option {key}={value!r}: draft {spec.name!r} takes {names} there "
+                             "(values are read as JSON: true, false, numbers, null; anything else is text)")
+
+
 def build_proposer(spec, draft, options: dict):
     """The spec's proposer with ``options``; one line naming the draft and the option it refuses."""
     if not options:
         return spec.build_proposer_fn(draft)
+    check_proposer_options(spec, options)
     try:
         return spec.build_proposer_fn(draft, **options)
     except TypeError as e:
