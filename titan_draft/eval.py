@@ -135,6 +135,14 @@ def _option_types(hint) -> tuple[type, ...]:
     return tuple(a for a in args if isinstance(a, type))
 
 
+def _accepts(value, allowed: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):  # an int to isinstance: only where bool itself is allowed
+        return bool in allowed
+    if isinstance(value, int) and float in allowed:  # JSON's 0 for a float
+        return True
+    return isinstance(value, allowed)
+
+
 def check_proposer_options(spec, options: dict) -> None:
     """Each option's value against the type its proposer annotates (JSON gives bool, int, float,
     str): ``graph_commit=False`` arrives as the text 'False', which would read as true."""
@@ -147,10 +155,7 @@ def check_proposer_options(spec, options: dict) -> None:
         allowed = () if hint is inspect.Parameter.empty else _option_types(hint)
         if not allowed:
             continue
-        ok = (isinstance(value, bool) and bool in allowed) or (
-            not isinstance(value, bool) and (isinstance(value, tuple(t for t in allowed if t is not bool))
-                                             or (isinstance(value, int) and float in allowed)))
-        if not ok:
+        if not _accepts(value, allowed):
             names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
             raise ValueError(f"--proposer-option {key}={value!r}: draft {spec.name!r} takes {names} there "
                              "(values are read as JSON: true, false, numbers, null; anything else is text)")
