@@ -21,10 +21,13 @@ import itertools
 import json
 import os
 import shlex
-import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # runnable from a checkout without an install
+    sys.path.insert(0, REPO)
+
+from scripts.compare_drafts import Interrupted, _last_line, run_logged  # noqa: E402
 
 
 class SweepError(Exception):
@@ -67,16 +70,10 @@ def eval_command(a, setting: list[str], out_json: str) -> list[str]:
 def run_setting(a, i: int, setting: list[str]) -> dict:
     """One eval; its report's row, or SweepError with the eval's own error line (bad input)."""
     out_json, log_path = (os.path.join(a.out, f"setting_{i}{ext}") for ext in (".json", ".log"))
-    cmd = eval_command(a, setting, out_json)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    with open(log_path, "w") as log:
-        log.write(f"$ {shlex.join(cmd)}\n")
-        log.flush()
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    rc, _ = run_logged(eval_command(a, setting, out_json), log_path)
     label = " ".join(setting) or "defaults"
     if rc != 0:
-        with open(log_path, errors="replace") as f:
-            last = [line.strip() for line in f if line.strip()][-1]
+        last = _last_line(log_path)
         if rc == 2:  # the eval refused its input: the same for every setting that has it
             raise SweepError(f"{label}: {last}")
         return {"setting": label, "error": f"exit {rc}: {last} (log {log_path})"}
@@ -132,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     except SweepError as e:
         print(f"sweep_decode: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Interrupted:
+        print("sweep_decode: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
     with open(os.path.join(a.out, "sweep.json"), "w") as f:
         json.dump({"command": shlex.join(["python", "scripts/sweep_decode.py", *(argv or sys.argv[1:])]),
                    "rows": rows}, f, indent=2)

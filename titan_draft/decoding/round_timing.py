@@ -32,7 +32,6 @@ class _Clock:
     def __init__(self, device: torch.device):
         self.device = device
         self.rounds: list[dict[str, float]] = []
-        self.recording = False
         self._round_start: float | None = None
 
     def timed(self, phase: str, fn, *args, **kwargs):
@@ -59,7 +58,6 @@ class _Clock:
             return
         _sync(self.device)
         self.rounds[-1]["round"] = _now() - self._round_start
-        self.rounds[-1]["recorded"] = self.recording
         self._round_start = None
 
 
@@ -84,12 +82,8 @@ class _TimedProposer:
     def __init__(self, proposer: Proposer, clock: _Clock):
         self.proposer, self.clock = proposer, clock
 
-    def __getattr__(self, name):  # num_draft_tokens, capture_layers, draft_probs, set_sampling, ...
+    def __getattr__(self, name):  # num_draft_tokens, capture_layers, draft_probs, reset, set_sampling, ...
         return getattr(self.proposer, name)
-
-    def reset(self, max_len: int) -> None:
-        self.clock.end_round()
-        self.proposer.reset(max_len)
 
     def propose(self, last_token: int) -> torch.Tensor:
         self.clock.start_round()
@@ -111,10 +105,11 @@ def round_breakdown(target, proposer: Proposer, prompts: list, *, max_new_tokens
     stepped = _TimedTarget(maybe_graphed(target, device, cuda_graphs), clock)
     timed = _TimedProposer(proposer, clock)
     for i, p in enumerate(prompts):
-        clock.recording = i >= warmup
         speculative_decode(stepped, timed, p.ids, max_new_tokens, stop_ids, device)
         clock.end_round()
-    rounds = [r for r in clock.rounds if r["recorded"]]
+        if i < warmup:
+            clock.rounds.clear()
+    rounds = clock.rounds
     if not rounds:
         raise ValueError("round timing: the timed prompts took no speculative round (each ended at its first token)")
     for r in rounds:

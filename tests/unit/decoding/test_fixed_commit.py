@@ -11,28 +11,20 @@ from dataclasses import replace
 import pytest
 import torch
 
-from models.dflash2.args import dflash2_flavors
 from models.dflash2.model import DFlash2Draft
 from models.dflash2.proposal import DFlashProposer
 from models.dspark import DSparkProposer
+from models.targets.qwen3 import Qwen3Model, qwen3_flavors
 from tests.unit.decoding.test_proposals_graph_safe import dspark_draft, no_host_reads, run_rounds
-
-VOCAB = 263
+from tests.unit.models.dflash2.test_models_dflash2_proposal import VOCAB, _draft
 
 
 def dflash2_draft(flavor: str) -> DFlash2Draft:
-    a = replace(dflash2_flavors[flavor], vocab_size=VOCAB, target_layer_ids=[0, 3, 5], num_target_layers=6,
-                mask_token_id=VOCAB - 1)
-    torch.manual_seed(1)
-    d = DFlash2Draft(a).double()
-    d.init_weights()
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            p.add_(torch.randn_like(p) * (0.2 if "norm" in name else 0.1))
-    g = torch.Generator().manual_seed(2)
-    tables = [torch.randn(VOCAB, a.hidden_size, generator=g, dtype=torch.float64) for _ in range(2)]
-    d.load_frozen_tables(*tables)
-    return d.eval()
+    """The DFlash2 proposal tests' draft (its convolutions and selector away from their no-op
+    inits), over their float64 target."""
+    target = Qwen3Model(replace(qwen3_flavors["debugmodel"], vocab_size=VOCAB)).double().eval()
+    target.init_weights(seed=11)
+    return _draft(target, flavor)
 
 
 def _pair(kind: str):
