@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 
+from titan_draft.decoding.tau_interval import PromptMismatch, paired_difference, tau_interval
+
 SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
 POSITIONS_SHOWN = 8
 
@@ -60,7 +62,10 @@ def build_row(folder: str, label: str, info: dict, temperatures: list[float], sp
             "lossless_prompts": s["lossless_prompts"], "num_draft_tokens": s["num_draft_tokens"],
             "proposed_per_round": s["proposed_per_round"], "rounds": s["rounds"], "new_tokens": s["new_tokens"],
             # a report written before drafts sampled at T > 0 has no key: its drafts were point masses
-            "draft_sampling": s.get("draft_sampling", "greedy" if t <= 0 else "point mass")}
+            "draft_sampling": s.get("draft_sampling", "greedy" if t <= 0 else "point mass"),
+            # per prompt, for the intervals: which prompts moved tau, and whether two drafts saw the same ones
+            "tau_interval": tau_interval(report["prompts"]) if report["prompts"] else None,
+            "per_prompt": [{k: p[k] for k in ("name", "round_tokens", "rounds")} for p in report["prompts"]]}
     source = speed_source(temperatures, speed_dtype)
     row["speed"] = None
     if source is not None:
@@ -130,7 +135,65 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
     resumed = [f"{r['label']} ({r['attempts']})" for r in rows if (r.get("attempts") or 1) > 1]
     if resumed:
         lines += ["", f"Trained in several attempts (training min sums them): {', '.join(resumed)}."]
+    lines += render_intervals(rows, meta)
     return "\n".join(lines) + "\n"
+
+
+def _baseline(rows: list[dict], row: dict) -> dict | None:
+    """An ablation row's recipe as it is: the row of the same config without the view's overrides."""
+    return next((r for r in rows if r.get("config") == row.get("config") and not r.get("view_overrides")), None)
+
+
+def paired_comparisons(rows: list[dict], view: str) -> list[dict]:
+    """Which differences in tau the prompts establish, at each temperature: in the ablation view
+    each changed setting against its recipe as it is, otherwise each draft against every draft
+    below it in tau order. Paired: both drafts' tau on the same resampled prompts."""
+    temps = sorted({t for r in rows for t in r["evals"]}, key=float)
+    out = []
+    for t in temps:
+        have = [r for r in rows if t in r["evals"] and r["evals"][t].get("per_prompt")]
+        if view == "ablation":
+            pairs = [(r, b) for r in have if (b := _baseline(have, r)) is not None and b is not r]
+        else:
+            ranked = sorted(have, key=lambda r: -r["evals"][t]["tau"])
+            pairs = [(a, b) for i, a in enumerate(ranked) for b in ranked[i + 1:]]
+        for a, b in pairs:
+            entry = {"temperature": t, "a": a["label"], "b": b["label"]}
+            try:
+                entry.update(paired_difference(a["evals"][t]["per_prompt"], b["evals"][t]["per_prompt"]))
+            except PromptMismatch as e:
+                entry["not_paired"] = str(e)
+            out.append(entry)
+    return out
+
+
+def render_intervals(rows: list[dict], meta: dict) -> list[str]:
+    """Markdown: each tau's interval over prompts, and the paired differences."""
+    cells = [(t, r) for t in (f"{x:g}" for x in meta["temperatures"]) for r in rows
+             if (r["evals"].get(t) or {}).get("tau_interval")]
+    if not cells:
+        return []
+    level = cells[0][1]["evals"][cells[0][0]]["tau_interval"]
+    lines = ["", "## How sure the order is", "",
+             (f"{100 * level['level']:g} % percentile-bootstrap intervals over the prompts ({level['resamples']} "
+              "resamples). A difference is paired: each resample draws one set of prompts and takes both τ on it, "
+              "so the prompts' shared difficulty cancels; the order is established when its interval excludes 0."),
+             "", "| T | draft | τ | interval |", "| --- | --- | --- | --- |"]
+    for t, r in cells:
+        iv = r["evals"][t]["tau_interval"]
+        lines.append(f"| {t} | {r['label']} | {iv['tau']:.3f} | {iv['low']:.3f} to {iv['high']:.3f} |")
+    pairs = paired_comparisons(rows, meta["view"])
+    if pairs:
+        lines += ["", "| T | difference | τ a − τ b | interval | a ahead in | order |", "| --- | --- | --- | --- | --- | --- |"]
+        for p in pairs:
+            name = f"{p['a']} − {p['b']}"
+            if "not_paired" in p:
+                lines.append(f"| {p['temperature']} | {name} | – | – | – | not paired: {p['not_paired']} |")
+                continue
+            lines.append(f"| {p['temperature']} | {name} | {p['difference']:+.3f} | {p['low']:+.3f} to "
+                         f"{p['high']:+.3f} | {100 * p['a_ahead']:.0f} % | "
+                         f"{'established' if p['established'] else 'not established'} |")
+    return lines
 
 
 def write_table(out_dir: str, rows: list[dict], meta: dict) -> tuple[str, str]:
@@ -139,5 +202,5 @@ def write_table(out_dir: str, rows: list[dict], meta: dict) -> tuple[str, str]:
     with open(base + ".md", "w") as f:
         f.write(render_markdown(rows, meta))
     with open(base + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+        json.dump({"meta": meta, "rows": rows, "paired": paired_comparisons(rows, meta["view"])}, f, indent=2)
     return base + ".md", base + ".json"

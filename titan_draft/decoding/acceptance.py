@@ -19,6 +19,7 @@ import torch.distributed as dist
 from titan_draft.distributed.cuda_graphs import maybe_graphed
 from titan_draft.decoding.speculative import Divergence, compare, greedy_decode, speculative_decode
 from titan_draft.decoding.sampling import SampledRule
+from titan_draft.decoding.tau_interval import format_interval, tau_interval
 from titan_draft.data.chat.prompts import EvalPrompt
 from titan_draft.protocols.proposer import Proposer
 
@@ -132,6 +133,9 @@ class EvalReport:
         return {
             "tau": self.tau,
             "tau_prompt_mean": self.tau_prompt_mean,
+            # how far the prompts drawn move tau (percentile bootstrap over prompts)
+            "tau_interval": tau_interval([{"round_tokens": p.round_tokens, "rounds": p.rounds} for p in self.prompts])
+            if self.prompts else None,
             "num_prompts": len(self.prompts),
             "rounds": self.rounds,
             "new_tokens": sum(p.new_tokens for p in self.prompts),
@@ -157,7 +161,7 @@ class EvalReport:
         mode = "greedy" if self.temperature <= 0 else \
             f"sampling at T={self.temperature:g}, drafts {'drawn from q' if self.draft_sampling == 'q' else 'as ' + self.draft_sampling}"
         lines = [f"true acceptance length ({mode}, batch 1, {s['max_new_tokens']} new tokens): "
-                 f"tau {s['tau']:.3f} over {s['num_prompts']} prompts ({s['rounds']} verify rounds, "
+                 f"tau {_tau_text(s)} over {s['num_prompts']} prompts ({s['rounds']} verify rounds, "
                  f"{s['new_tokens']} tokens; per-prompt mean {s['tau_prompt_mean']:.3f}; "
                  f"{s['proposed_per_round']:.2f} of {s['num_draft_tokens']} draft tokens proposed per round)"]
         rates = s["accept_rate"]
@@ -177,6 +181,11 @@ class EvalReport:
                              f"speculative {d['speculative_token']}; greedy top-2 margin {d['margin']:.4g}, "
                              f"recomputed margin {d['recomputed_margin']:.4g})")
         return "\n".join(lines)
+
+
+def _tau_text(summary: dict) -> str:
+    iv = summary["tau_interval"]
+    return f"{summary['tau']:.3f}" if iv is None else format_interval(iv)
 
 
 def _prompt_report(prompt: EvalPrompt, spec, greedy, divergence: Divergence | None,

@@ -85,6 +85,8 @@ def report_scalars(report: EvalReport) -> dict[str, float]:
     """TensorBoard scalars of one eval (under ``eval/``)."""
     s = report.summary()
     out = {"eval/tau": s["tau"], "eval/tau_prompt_mean": s["tau_prompt_mean"]}
+    if s["tau_interval"] is not None:  # the band the prompts drawn leave tau in (95 %)
+        out["eval/tau_low"], out["eval/tau_high"] = s["tau_interval"]["low"], s["tau_interval"]["high"]
     for k, rate in enumerate(s["accept_rate"], 1):
         out[f"eval/accept_rate_{k}"] = rate
     for key in ("speculative_tokens_per_s", "greedy_tokens_per_s", "speedup"):

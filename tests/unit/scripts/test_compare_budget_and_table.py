@@ -118,7 +118,7 @@ def test_the_table_row_comes_from_the_training_record_and_the_eval_reports(tmp_p
     meta = {"view": "recipes", "minutes": 6.0, "calibration_steps": 60, "prompts": "mtbench",
             "max_new_tokens": 256, "temperatures": [0.0, 1.0], "seed": 0, "speed_dtype": "bfloat16", "date": "d"}
     md = render_markdown([row], meta)
-    cells = [c.strip() for c in md.splitlines()[-1].strip("|").split("|")]
+    cells = [c.strip() for c in next(ln for ln in md.splitlines() if ln.startswith("| dspark_smollm2")).strip("|").split("|")]
     head = [c.strip() for c in next(line for line in md.splitlines() if line.startswith("| draft")).strip("|").split("|")]
     got = dict(zip(head, cells))
     assert got["draft"] == "dspark_smollm2" and got["steps"] == "900" and got["training min"] == "5.75"

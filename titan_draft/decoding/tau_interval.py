@@ -1,0 +1,87 @@
+"""How far a true acceptance length can be trusted: bootstrap intervals over the eval's prompts.
+
+tau is a ratio over all prompts (tokens from verify rounds / rounds). On 40 or 80 prompts it moves
+with the prompts drawn, and at T > 0 with the sampling seed too, so two drafts 2 % apart may not
+be in any order at all. The percentile bootstrap resamples whole prompts with replacement (a
+prompt's rounds are not independent of one another, its prompts are) and recomputes the ratio.
+
+Two drafts decoded on the same prompts are compared *paired*: each resample draws one set of
+prompt indices and takes both drafts' tau on it, so the spread that comes from easy and hard
+prompts (which moves both drafts alike) cancels from the difference. That is the interval that says
+whether an order between two drafts is established.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+LEVEL = 0.95
+RESAMPLES = 4000
+
+
+class PromptMismatch(ValueError):
+    """Two reports that were not decoded on the same prompts cannot be paired."""
+
+
+def _counts(prompts: Sequence[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens from verify rounds, rounds) per prompt, float64."""
+    tokens = torch.tensor([float(p["round_tokens"]) for p in prompts], dtype=torch.float64)
+    rounds = torch.tensor([float(p["rounds"]) for p in prompts], dtype=torch.float64)
+    return tokens, rounds
+
+
+def _resampled_indices(n: int, resamples: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(n, (resamples, n), generator=g)
+
+
+def _ratio(tokens: torch.Tensor, rounds: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return tokens[idx].sum(-1) / rounds[idx].sum(-1).clamp_min(1.0)
+
+
+def _bounds(samples: torch.Tensor, level: float) -> tuple[float, float]:
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    lo, hi = torch.quantile(samples, q).tolist()
+    return lo, hi
+
+
+def tau_interval(prompts: Sequence[dict], level: float = LEVEL, resamples: int = RESAMPLES,
+                 seed: int = 0) -> dict:
+    """``{"tau", "low", "high", "level", "resamples"}`` for one eval's per-prompt reports (dicts
+    with ``round_tokens`` and ``rounds``, as ``python -m titan_draft.eval --out`` writes them)."""
+    if not prompts:
+        raise ValueError("tau_interval: no prompts")
+    tokens, rounds = _counts(prompts)
+    tau = (tokens.sum() / rounds.sum().clamp_min(1.0)).item()
+    lo, hi = _bounds(_ratio(tokens, rounds, _resampled_indices(len(prompts), resamples, seed)), level)
+    return {"tau": tau, "low": lo, "high": hi, "level": level, "resamples": resamples}
+
+
+def paired_difference(a: Sequence[dict], b: Sequence[dict], level: float = LEVEL,
+                      resamples: int = RESAMPLES, seed: int = 0) -> dict:
+    """tau(a) - tau(b) on the same prompts, with its paired bootstrap interval and the share of
+    resamples in which ``a`` is ahead. ``established`` is True when the interval excludes 0."""
+    names_a, names_b = [p["name"] for p in a], [p["name"] for p in b]
+    if names_a != names_b:
+        only = sorted(set(names_a) ^ set(names_b))
+        what = f"prompts only one has: {', '.join(only[:3])}" if only else "the same prompts in another order"
+        raise PromptMismatch(f"the two evals were not decoded on the same prompts ({len(names_a)} against "
+                             f"{len(names_b)}; {what})")
+    if not a:
+        raise ValueError("paired_difference: no prompts")
+    ta, ra = _counts(a)
+    tb, rb = _counts(b)
+    idx = _resampled_indices(len(a), resamples, seed)
+    diffs = _ratio(ta, ra, idx) - _ratio(tb, rb, idx)
+    lo, hi = _bounds(diffs, level)
+    diff = (ta.sum() / ra.sum().clamp_min(1.0) - tb.sum() / rb.sum().clamp_min(1.0)).item()
+    return {"difference": diff, "low": lo, "high": hi, "level": level, "resamples": resamples,
+            "a_ahead": (diffs > 0).double().mean().item(), "established": lo > 0 or hi < 0}
+
+
+def format_interval(iv: dict, digits: int = 3) -> str:
+    """'1.505 (95 % interval 1.471 to 1.540)'."""
+    return (f"{iv['tau']:.{digits}f} ({100 * iv['level']:g} % interval {iv['low']:.{digits}f} to "
+            f"{iv['high']:.{digits}f})")
