@@ -81,10 +81,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--view", default="recipes", choices=["recipes", "equal-draft-tokens", "ablation"],
                    help="recipes: each config as it is; equal-draft-tokens: DSpark and DFlash2 at equal "
                         "drafted tokens per round (--drafted); ablation: each config as it is and once per "
-                        "--ablate value, one key changed at a time")
+                        "--ablate value, one change at a time")
     p.add_argument("--ablate", action="append", default=[], metavar="KEY=V1[,V2...]",
                    help="a job-config key and the values the ablation view tries (repeatable), e.g. "
-                        "model.args.markov_rank=64,512 or data.packing=true")
+                        "model.args.markov_rank=64,512 or data.packing=true; KEY=V+KEY2=V2 is one job "
+                        "that changes both keys, e.g. model.args.ce_loss_weight=1.0+model.args.l1_loss_weight=0")
     p.add_argument("--drafted", default="7,15", help="drafted tokens per round of the equal-draft-tokens view")
     p.add_argument("--calibration-steps", type=int, default=60)
     p.add_argument("--calibration-warmup", type=int, default=10, help="leading calibration steps left out of the median")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Callable
 
 from titan_draft.components.preflight import check_job_before_loading
@@ -35,34 +36,60 @@ class CompareError(Exception):
         self.status = status
 
 
-def parse_ablations(specs: list[str], view: str) -> list[tuple[str, list[str]]]:
-    """``["model.args.markov_rank=64,512", ...]`` -> ``[("model.args.markov_rank", ["64", "512"]), ...]``,
-    refused in one line where malformed, repeated, a key the comparison sets, or outside the ablation view."""
+Arm = tuple[tuple[str, str], ...]
+"""One ablation job's changes: ``((key, value), ...)``, one pair unless the keys change together."""
+
+# '+' joins the keys of one change, where a dotted key follows it ("1e+3" stays a value)
+_JOINT = re.compile(r"\+(?=[A-Za-z_][\w-]*\.[\w.-]+=)")
+
+
+def _key_values(spec: str, part: str) -> tuple[str, list[str]]:
+    key, sep, values = part.partition("=")
+    key = key.strip().removeprefix("--")
+    vals = [v.strip() for v in values.split(",")]
+    if not sep or not key or "." not in key or not all(vals):
+        raise CompareError(f"--ablate {spec!r}: expected KEY=V1[,V2...] with a dotted job-config key (or "
+                           "KEY=V+KEY2=V2, changed together), e.g. model.args.markov_rank=64,512")
+    if key in OWN_KEYS:
+        raise CompareError(f"--ablate {key}: set by the comparison for every job")
+    return key, vals
+
+
+def parse_ablations(specs: list[str], view: str) -> list[Arm]:
+    """One :data:`Arm` per ablation job: ``model.args.markov_rank=64,512`` gives two (one per value),
+    ``model.args.ce_loss_weight=1.0+model.args.l1_loss_weight=0.0`` one that changes both keys (a
+    loss weight moved from one term to another). Refused in one line where malformed, repeated, a
+    key the comparison sets, or outside the ablation view."""
     if view != "ablation":
         if specs:
             raise CompareError(f"--ablate belongs to --view ablation, not {view}")
         return []
     if not specs:
         raise CompareError("--view ablation needs at least one --ablate KEY=V1[,V2...]")
-    out = []
+    arms: list[Arm] = []
+    single_keys: set[str] = set()
     for spec in specs:
-        key, sep, values = spec.partition("=")
-        key = key.strip().removeprefix("--")
-        vals = [v.strip() for v in values.split(",")]
-        if not sep or not key or "." not in key or not all(vals):
-            raise CompareError(f"--ablate {spec!r}: expected KEY=V1[,V2...] with a dotted job-config key, "
-                               "e.g. model.args.markov_rank=64,512")
-        if key in OWN_KEYS:
-            raise CompareError(f"--ablate {key}: set by the comparison for every job")
-        if key in {k for k, _ in out} or len(set(vals)) < len(vals):
+        parts = [_key_values(spec, part) for part in _JOINT.split(spec)]
+        if len(parts) == 1:
+            key, vals = parts[0]
+            if key in single_keys or len(set(vals)) < len(vals):
+                raise CompareError(f"--ablate {spec!r}: a key or value given twice")
+            single_keys.add(key)
+            arms += [((key, v),) for v in vals]
+            continue
+        if any(len(vals) > 1 for _, vals in parts):
+            raise CompareError(f"--ablate {spec!r}: each key of a joint change (KEY=V+KEY2=V2) takes one value")
+        if len({k for k, _ in parts}) < len(parts):
             raise CompareError(f"--ablate {spec!r}: a key or value given twice")
-        out.append((key, vals))
-    return out
+        arms.append(tuple((k, vals[0]) for k, vals in parts))
+    if len({tuple(sorted(arm)) for arm in arms}) < len(arms):
+        raise CompareError("--ablate: the same change given twice")
+    return arms
 
 
-def ablation_label(key: str, value: str) -> str:
-    """The run label suffix of one ablated value: the key without ``model.args.``, then the value."""
-    return f"{key.removeprefix('model.args.')}={value}"
+def ablation_label(arm: Arm) -> str:
+    """The run label suffix of one ablation job: each key without ``model.args.``, then its value."""
+    return "+".join(f"{key.removeprefix('model.args.')}={value}" for key, value in arm)
 
 
 def override_keys(overrides: list[str]) -> set[str]:
@@ -108,10 +135,11 @@ def build_runs(a, extra: list[str], log: Callable[[str], None] = print, check: b
         cfg = _resolve(base + shared + extra)
         variants = [(stem, [])]
         if a.view == "ablation":
-            clash = sorted(override_keys(extra) & {k for k, _ in a.ablate})
+            clash = sorted(override_keys(extra) & {k for arm in a.ablate for k, _ in arm})
             if clash:
                 raise CompareError(f"--{clash[0]} is both an override for every draft and an --ablate key")
-            variants += [(f"{stem}+{ablation_label(k, v)}", [f"--{k}", v]) for k, vals in a.ablate for v in vals]
+            variants += [(f"{stem}+{ablation_label(arm)}", [x for k, v in arm for x in (f"--{k}", v)])
+                         for arm in a.ablate]
         elif a.view == "equal-draft-tokens":
             if "model.args.block_size" in override_keys(extra):
                 raise CompareError("--model.args.block_size is set by the equal-draft-tokens view (see --drafted)")
