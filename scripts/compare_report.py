@@ -94,8 +94,9 @@ def _positions(rates: list[float]) -> str:
     return " / ".join(f"{r:.2f}" for r in shown) + (" / …" if len(rates) > POSITIONS_SHOWN else "")
 
 
-def render_markdown(rows: list[dict], meta: dict) -> str:
-    """The table as markdown, headed by what was compared and how."""
+def render_markdown(rows: list[dict], meta: dict, pairs: list[dict] | None = None) -> str:
+    """The table as markdown, headed by what was compared and how; ``pairs``: the
+    :func:`paired_comparisons` of ``rows`` where the caller has them."""
     temps = [f"{t:g}" for t in meta["temperatures"]]
     first = "0" if "0" in temps else temps[0]
     speed = speed_source(meta["temperatures"], meta.get("speed_dtype"))
@@ -135,7 +136,7 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
     resumed = [f"{r['label']} ({r['attempts']})" for r in rows if (r.get("attempts") or 1) > 1]
     if resumed:
         lines += ["", f"Trained in several attempts (training min sums them): {', '.join(resumed)}."]
-    lines += render_intervals(rows, meta)
+    lines += render_intervals(rows, meta, paired_comparisons(rows, meta["view"]) if pairs is None else pairs)
     return "\n".join(lines) + "\n"
 
 
@@ -167,7 +168,7 @@ def paired_comparisons(rows: list[dict], view: str) -> list[dict]:
     return out
 
 
-def render_intervals(rows: list[dict], meta: dict) -> list[str]:
+def render_intervals(rows: list[dict], meta: dict, pairs: list[dict]) -> list[str]:
     """Markdown: each tau's interval over prompts, and the paired differences."""
     cells = [(t, r) for t in (f"{x:g}" for x in meta["temperatures"]) for r in rows
              if (r["evals"].get(t) or {}).get("tau_interval")]
@@ -182,7 +183,6 @@ def render_intervals(rows: list[dict], meta: dict) -> list[str]:
     for t, r in cells:
         iv = r["evals"][t]["tau_interval"]
         lines.append(f"| {t} | {r['label']} | {iv['tau']:.3f} | {iv['low']:.3f} to {iv['high']:.3f} |")
-    pairs = paired_comparisons(rows, meta["view"])
     if pairs:
         lines += ["", "| T | difference | τ a − τ b | interval | a ahead in | order |", "| --- | --- | --- | --- | --- | --- |"]
         for p in pairs:
@@ -199,8 +199,9 @@ def render_intervals(rows: list[dict], meta: dict) -> list[str]:
 def write_table(out_dir: str, rows: list[dict], meta: dict) -> tuple[str, str]:
     """``<out>/table_<view>.md`` and ``.json``; returns their paths."""
     base = os.path.join(out_dir, f"table_{meta['view']}")
+    pairs = paired_comparisons(rows, meta["view"])
     with open(base + ".md", "w") as f:
-        f.write(render_markdown(rows, meta))
+        f.write(render_markdown(rows, meta, pairs))
     with open(base + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows, "paired": paired_comparisons(rows, meta["view"])}, f, indent=2)
+        json.dump({"meta": meta, "rows": rows, "paired": pairs}, f, indent=2)
     return base + ".md", base + ".json"
