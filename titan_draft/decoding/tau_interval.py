@@ -41,6 +41,11 @@ def _ratio(tokens: torch.Tensor, rounds: torch.Tensor, idx: torch.Tensor) -> tor
     return tokens[idx].sum(-1) / rounds[idx].sum(-1).clamp_min(1.0)
 
 
+def _tau(tokens: torch.Tensor, rounds: torch.Tensor) -> float:
+    """tau over all the prompts as drawn (the eval's own figure)."""
+    return (tokens.sum() / rounds.sum().clamp_min(1.0)).item()
+
+
 def _bounds(samples: torch.Tensor, level: float) -> tuple[float, float]:
     q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
     lo, hi = torch.quantile(samples, q).tolist()
@@ -54,9 +59,8 @@ def tau_interval(prompts: Sequence[dict], level: float = LEVEL, resamples: int =
     if not prompts:
         raise ValueError("tau_interval: no prompts")
     tokens, rounds = _counts(prompts)
-    tau = (tokens.sum() / rounds.sum().clamp_min(1.0)).item()
     lo, hi = _bounds(_ratio(tokens, rounds, _resampled_indices(len(prompts), resamples, seed)), level)
-    return {"tau": tau, "low": lo, "high": hi, "level": level, "resamples": resamples}
+    return {"tau": _tau(tokens, rounds), "low": lo, "high": hi, "level": level, "resamples": resamples}
 
 
 def paired_difference(a: Sequence[dict], b: Sequence[dict], level: float = LEVEL,
@@ -76,8 +80,7 @@ def paired_difference(a: Sequence[dict], b: Sequence[dict], level: float = LEVEL
     idx = _resampled_indices(len(a), resamples, seed)
     diffs = _ratio(ta, ra, idx) - _ratio(tb, rb, idx)
     lo, hi = _bounds(diffs, level)
-    diff = (ta.sum() / ra.sum().clamp_min(1.0) - tb.sum() / rb.sum().clamp_min(1.0)).item()
-    return {"difference": diff, "low": lo, "high": hi, "level": level, "resamples": resamples,
+    return {"difference": _tau(ta, ra) - _tau(tb, rb), "low": lo, "high": hi, "level": level, "resamples": resamples,
             "a_ahead": (diffs > 0).double().mean().item(), "established": lo > 0 or hi < 0}
 
 
