@@ -15,6 +15,7 @@ smollm2-shape`` runs on random weights of SmolLM2's shape (no files).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -57,9 +58,9 @@ def bench_case(target, batch: int, context: int, new: int, warmup: int, iters: i
         cache = runner.new_cache(batch, context + new, pad=pad) if graphed else \
             target.new_cache(batch, context + new, pad=pad)
         runner(ctx, cache=cache, logits="none", need_last_hidden=False)
-        out.append(_median_ms(lambda: runner(step, cache=cache, logits=logits, need_last_hidden=False),
-                              cache, context, warmup, iters))
-        del runner, cache
+        fn = functools.partial(runner, step, cache=cache, logits=logits, need_last_hidden=False)
+        out.append(_median_ms(fn, cache, context, warmup, iters))
+        del runner, cache, fn
     return out[0], out[1]
 
 

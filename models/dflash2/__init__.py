@@ -1,7 +1,8 @@
 """DFlash2 draft (and plain DFlash via the dflash_* flavors); registers ModelSpec ``dflash2``."""
 
+from models.block_diffusion.spec import block_capture_layers as capture_layers
 from models.block_diffusion.spec import reserved_tokens, resolved_capture_layers
-from models.dflash2.args import DFlash2Args, capture_layers, dflash2_flavors, update_dflash2_args
+from models.dflash2.args import DFlash2Args, dflash2_flavors, update_dflash2_args
 from models.dflash2.export import dflash2_from_export, export_dflash2
 from models.dflash2.flops import dflash2_flops
 from models.dflash2.model import DFlash2Draft

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from models.block_diffusion.args import BlockDiffusionArgs
-from models.block_diffusion.spec import block_capture_layers as capture_layers
 from models.block_diffusion.spec import update_block_args
 
 
