@@ -26,6 +26,7 @@ from models.block_diffusion.layers import DraftBlocks, Rope, anchor_fill, build_
 from models.block_diffusion.mask import block_diffusion_block_mask
 from models.common.norm import RMSNorm
 from models.common.rope import rope_cos_sin
+from models.common.tensor_utils import register_frozen_tables
 from titan_draft.protocols.features import DraftOutput, TargetFeatures
 
 __all__ = ["BlockDiffusionDraft"]
@@ -66,14 +67,8 @@ class BlockDiffusionDraft(nn.Module):
     @torch.no_grad()
     def load_frozen_tables(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Copy the target's ``[V, H]`` embedding and lm_head (kept in their dtype)."""
-        want = (self.args.vocab_size, self.args.hidden_size)
-        for name, w in (("embed", embed_weight), ("lm_head", lm_head_weight)):
-            if tuple(w.shape) != want:
-                raise ValueError(f"target {name} weight has shape {tuple(w.shape)}, draft expects {want}")
-        fc_w = self.fc.weight
-        device = fc_w.to_local().device if isinstance(fc_w, DTensor) else fc_w.device
-        self.register_buffer("target_embed", embed_weight.detach().to(device).clone(), persistent=False)
-        self.register_buffer("target_lm_head", lm_head_weight.detach().to(device).clone(), persistent=False)
+        register_frozen_tables(self, embed_weight, lm_head_weight, (self.args.vocab_size, self.args.hidden_size),
+                               self.fc.weight)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """cos/sin of ``positions [B, L]``, in ``dtype`` (fp32 as HF, fp64 for fp64 models):

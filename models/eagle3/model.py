@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.common import RMSNorm, SwiGLU, apply_rope, attention, rope_cos_sin
+from models.common.tensor_utils import register_frozen_tables
 from models.eagle3.args import Eagle3Args
 from models.eagle3.ttt_attention import DiagonalPast, diagonal_attention
 
@@ -129,14 +130,8 @@ class Eagle3Draft(nn.Module):
 
     @torch.no_grad()
     def load_frozen_tables(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        want = (self.args.vocab_size, self.args.hidden_size)
-        for name, w in (("embed", embed_weight), ("lm_head", lm_head_weight)):
-            if tuple(w.shape) != want:
-                raise ValueError(f"target {name} weight has shape {tuple(w.shape)}, draft expects {want}")
-        fc_w = self.fc.weight
-        device = fc_w.to_local().device if isinstance(fc_w, DTensor) else fc_w.device
-        self.register_buffer("target_embed", embed_weight.detach().to(device).clone(), persistent=False)
-        self.register_buffer("target_lm_head", lm_head_weight.detach().to(device).clone(), persistent=False)
+        register_frozen_tables(self, embed_weight, lm_head_weight, (self.args.vocab_size, self.args.hidden_size),
+                               self.fc.weight)
         if self._head_from_target:  # only right after init_weights, never over trained weights
             self.lm_head.weight.copy_(self.target_lm_head[self.draft_ids()].to(self.lm_head.weight.dtype))
             self._head_from_target = False
