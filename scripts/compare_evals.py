@@ -1,0 +1,153 @@
+"""Put finished eval reports side by side: each one's tau with its interval at each temperature,
+and each against a reference decoded on the same prompts, paired.
+
+For ablations run by hand (several training jobs, each exported and decoded with
+``python -m titan_draft.eval --out R.json``); ``scripts/compare_drafts.py`` writes the same table
+for the jobs it trains itself. ::
+
+    python scripts/compare_evals.py --reference default \\
+        default=runs/default_t0.json default=runs/default_t1.json \\
+        gated=runs/gated_t0.json gated=runs/gated_t1.json
+
+Each ``LABEL=PATH`` is one report; a label's reports are told apart by the temperature they were
+decoded at (read from the report). Prints a markdown table (``--out`` writes it, with a ``.json``
+beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.compare_report import _positions  # noqa: E402
+from titan_draft.decoding.tau_interval import PromptMismatch, paired_difference, tau_interval  # noqa: E402
+
+
+class CompareError(ValueError):
+    """Reports that cannot be put in one table; the message names the report and why."""
+
+
+def _read(path: str) -> dict:
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CompareError(f"{path}: cannot read an eval report ({e})") from None
+    if not isinstance(report, dict) or "summary" not in report or not report.get("prompts") or \
+            any("round_tokens" not in p or "rounds" not in p for p in report["prompts"]):
+        raise CompareError(f"{path}: not an eval report with per-prompt rounds "
+                           "(write one with python -m titan_draft.eval --out)")
+    missing = [k for k in ("temperature", "max_new_tokens", "accept_rate") if k not in report["summary"]]
+    if missing:
+        raise CompareError(f"{path}: the report's summary lacks {', '.join(missing)} (written by an older eval?)")
+    return report
+
+
+def load_reports(items: list[str]) -> dict[str, dict[str, dict]]:
+    """``{label: {temperature: report}}`` from ``LABEL=PATH`` items, in the order given."""
+    out: dict[str, dict[str, dict]] = {}
+    for item in items:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            raise CompareError(f"{item!r}: expected LABEL=PATH")
+        report = _read(path)
+        t = f"{float(report['summary']['temperature']):g}"
+        if t in out.setdefault(label, {}):
+            raise CompareError(f"{label}: two reports at T = {t} ({path} and an earlier one)")
+        report["path"] = path
+        out[label][t] = report
+    return out
+
+
+def _check_comparable(reports: dict[str, dict[str, dict]]) -> None:
+    """Reports at one temperature must have drafted the same number of new tokens a prompt."""
+    for t in sorted({t for by_t in reports.values() for t in by_t}, key=float):
+        seen = {label: by_t[t]["summary"]["max_new_tokens"] for label, by_t in reports.items() if t in by_t}
+        if len(set(seen.values())) > 1:
+            raise CompareError(f"at T = {t} the reports decoded different lengths (max_new_tokens "
+                               + ", ".join(f"{k} {v}" for k, v in seen.items()) + ")")
+
+
+def build_table(reports: dict[str, dict[str, dict]], reference: str) -> dict:
+    """Every report's tau and interval, and its paired difference from ``reference`` at the same
+    temperature (``not_paired`` names why where the prompts differ)."""
+    if reference not in reports:
+        raise CompareError(f"--reference {reference!r} is not one of the labels ({', '.join(reports)})")
+    _check_comparable(reports)
+    temps = sorted({t for by_t in reports.values() for t in by_t}, key=float)
+    rows = []
+    for label, by_t in reports.items():
+        row = {"label": label, "evals": {}}
+        for t, rep in by_t.items():
+            s = rep["summary"]
+            cell = {"path": rep["path"], "interval": tau_interval(rep["prompts"]), "accept_rate": s["accept_rate"],
+                    "lossless": (f"{s['lossless_prompts']}/{s['num_prompts']}"
+                                 if s.get("lossless_prompts") is not None else None)}
+            ref = reports[reference].get(t)
+            if ref is not None and label != reference:
+                try:
+                    cell["vs_reference"] = paired_difference(rep["prompts"], ref["prompts"])
+                except PromptMismatch as e:
+                    cell["vs_reference"] = {"not_paired": str(e)}
+            row["evals"][t] = cell
+        rows.append(row)
+    return {"reference": reference, "temperatures": temps, "rows": rows}
+
+
+def _difference(d: dict | None) -> str:
+    if d is None:
+        return "–"
+    if "not_paired" in d:
+        return f"not paired: {d['not_paired']}"
+    return (f"{d['difference']:+.3f} ({d['low']:+.3f} to {d['high']:+.3f})"
+            + (", established" if d["established"] else ""))
+
+
+def render(table: dict) -> str:
+    """Markdown: one row per label, tau (interval) and the paired difference at each temperature."""
+    temps, ref = table["temperatures"], table["reference"]
+    head = ["label"]
+    for t in temps:
+        head += [f"τ T={t} (95 % interval)", f"− {ref} at T={t} (paired)"]
+    head += [f"accepted per position (T={temps[0]})", "lossless (T=0)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for row in table["rows"]:
+        cells = [row["label"]]
+        for t in temps:
+            e = row["evals"].get(t)
+            iv = e["interval"] if e else None
+            cells += [f"{iv['tau']:.3f} ({iv['low']:.3f} to {iv['high']:.3f})" if iv else "–",
+                      "reference" if row["label"] == ref and e else _difference((e or {}).get("vs_reference"))]
+        first, zero = row["evals"].get(temps[0]), row["evals"].get("0")
+        cells += [_positions(first["accept_rate"]) if first else "–", (zero or {}).get("lossless") or "–"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("reports", nargs="+", metavar="LABEL=PATH", help="an eval report (repeatable per label)")
+    p.add_argument("--reference", default=None, help="the label every other is paired against (default: the first)")
+    p.add_argument("--out", default=None, help="write the markdown here, and the figures as JSON beside it")
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        reports = load_reports(a.reports)
+        table = build_table(reports, a.reference or next(iter(reports)))
+    except CompareError as e:
+        print(f"compare_evals: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    text = render(table)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+        with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
+            json.dump(table, f, indent=2)
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    main()

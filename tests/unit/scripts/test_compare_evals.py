@@ -1,0 +1,101 @@
+"""scripts/compare_evals.py: finished eval reports side by side, each paired with a reference."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from scripts.compare_evals import main
+
+
+def _write(tmp_path, name, rounds_tokens, temperature=0.0, max_new_tokens=64, names=None):
+    names = names or [f"mtbench:{81 + i}" for i in range(len(rounds_tokens))]
+    prompts = [{"name": n, "rounds": r, "round_tokens": t} for n, (r, t) in zip(names, rounds_tokens)]
+    summary = {"temperature": temperature, "max_new_tokens": max_new_tokens, "accept_rate": [0.25, 0.05],
+               "lossless_prompts": len(prompts) if temperature == 0 else None, "num_prompts": len(prompts)}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"summary": summary, "prompts": prompts}))
+    return str(path)
+
+
+def _prompts(rng, skill, difficulty):
+    return [(50, 50 + sum(rng.random() < skill * d for _ in range(50))) for d in difficulty]
+
+
+def _tau(rounds_tokens):
+    return sum(t for _, t in rounds_tokens) / sum(r for r, _ in rounds_tokens)
+
+
+def _table(tmp_path, argv):
+    out = tmp_path / "table.md"
+    main([*argv, "--out", str(out)])
+    return json.loads(out.with_suffix(".json").read_text()), out.read_text()
+
+
+def test_each_label_is_paired_with_the_reference_at_its_own_temperature(tmp_path):
+    rng = random.Random(0)
+    difficulty = [rng.uniform(0.1, 1.0) for _ in range(40)]
+    ref0, ref1 = _prompts(rng, 0.3, difficulty), _prompts(rng, 0.6, difficulty)
+    good0, good1 = _prompts(rng, 0.6, difficulty), _prompts(rng, 0.6, difficulty)
+    table, text = _table(tmp_path, [
+        "--reference", "default",
+        f"good={_write(tmp_path, 'g0', good0)}", f"good={_write(tmp_path, 'g1', good1, temperature=1.0)}",
+        f"default={_write(tmp_path, 'd1', ref1, temperature=1.0)}", f"default={_write(tmp_path, 'd0', ref0)}",
+        f"same={_write(tmp_path, 's0', ref0)}"])
+    assert table["temperatures"] == ["0", "1"]
+    rows = {r["label"]: r["evals"] for r in table["rows"]}
+    assert list(rows) == ["good", "default", "same"]
+    for label, t, pts in (("good", "0", good0), ("good", "1", good1), ("default", "0", ref0), ("default", "1", ref1)):
+        iv = rows[label][t]["interval"]
+        assert iv["tau"] == pytest.approx(_tau(pts), abs=1e-12) and iv["low"] < iv["tau"] < iv["high"]
+    g0, g1 = rows["good"]["0"]["vs_reference"], rows["good"]["1"]["vs_reference"]
+    assert g0["difference"] == pytest.approx(_tau(good0) - _tau(ref0), abs=1e-12)  # T=0 against T=0 only
+    assert g1["difference"] == pytest.approx(_tau(good1) - _tau(ref1), abs=1e-12)
+    assert g0["established"] and g0["low"] > 0 and not g1["established"]
+    same = rows["same"]["0"]["vs_reference"]
+    assert same["difference"] == 0 and same["low"] == 0 == same["high"] and not same["established"]
+    assert "1" not in rows["same"] and "vs_reference" not in rows["default"]["0"]
+    assert "| default | " in text and "reference" in text and ", established" in text
+    assert "| same | " in text and text.count("\n") == 2 + 3
+
+
+def test_reports_on_other_prompts_are_named_not_paired(tmp_path):
+    pts = [(50, 60)] * 5
+    table, text = _table(tmp_path, [
+        f"a={_write(tmp_path, 'a', pts)}",
+        f"b={_write(tmp_path, 'b', pts, names=[f'other:{i}' for i in range(5)])}"])
+    assert "not decoded on the same prompts" in table["rows"][1]["evals"]["0"]["vs_reference"]["not_paired"]
+    assert "not paired: " in text
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no_equals", "expected LABEL=PATH"),
+    ("twice", "a: two reports at T = 0"),
+    ("lengths", "at T = 0 the reports decoded different lengths (max_new_tokens a 64, b 256)"),
+    ("reference", "--reference 'z' is not one of the labels (a, b)"),
+    ("not_json", "cannot read an eval report"),
+    ("no_rounds", "not an eval report with per-prompt rounds"),
+    ("old", "the report's summary lacks temperature"),
+])
+def test_bad_reports_get_one_line(tmp_path, capsys, case, message):
+    pts = [(50, 60)] * 3
+    a = _write(tmp_path, "a", pts)
+    b = _write(tmp_path, "b", pts, max_new_tokens=256 if case == "lengths" else 64)
+    bad = tmp_path / "bad.json"
+    if case == "not_json":
+        bad.write_text("{cut off")
+    elif case == "no_rounds":
+        bad.write_text(json.dumps({"summary": {}, "prompts": [{"name": "x"}]}))
+    elif case == "old":
+        report = json.loads(open(a).read())
+        del report["summary"]["temperature"]
+        bad.write_text(json.dumps(report))
+    argv = {"no_equals": ["a", a], "twice": [f"a={a}", f"a={b}"], "lengths": [f"a={a}", f"b={b}"],
+            "reference": ["--reference", "z", f"a={a}", f"b={b}"]}.get(case, [f"a={a}", f"b={bad}"])
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("compare_evals: error: ") and message in err and "\n" not in err
