@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.compare_report import _positions  # noqa: E402
+from scripts.compare_report import format_positions  # noqa: E402
 from titan_draft.decoding.tau_interval import PromptMismatch, paired_difference, tau_interval  # noqa: E402
 
 
@@ -123,7 +123,7 @@ def render(table: dict) -> str:
             cells += [f"{iv['tau']:.3f} ({iv['low']:.3f} to {iv['high']:.3f})" if iv else "–",
                       "reference" if row["label"] == ref and e else _difference((e or {}).get("vs_reference"))]
         first, zero = row["evals"].get(temps[0]), row["evals"].get("0")
-        cells += [_positions(first["accept_rate"]) if first else "–", (zero or {}).get("lossless") or "–"]
+        cells += [format_positions(first["accept_rate"]) if first else "–", (zero or {}).get("lossless") or "–"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

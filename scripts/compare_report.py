@@ -89,7 +89,7 @@ def _peak(peaks: dict | None) -> str:
     return f"{peaks['peak_rss_gib']:.1f} (RSS)" if "peak_rss_gib" in peaks else "–"
 
 
-def _positions(rates: list[float]) -> str:
+def format_positions(rates: list[float]) -> str:
     shown = rates[:POSITIONS_SHOWN]
     return " / ".join(f"{r:.2f}" for r in shown) + (" / …" if len(rates) > POSITIONS_SHOWN else "")
 
@@ -124,7 +124,7 @@ def render_markdown(rows: list[dict], meta: dict, pairs: list[dict] | None = Non
                  _num(r["median_step_ms"], ".1f"), _peak(r["peaks_gib"])]
         cells += [_num(evals[t]["tau"], ".3f") if t in evals else "–" for t in temps]
         e = evals.get(first)
-        cells.append(_positions(e["accept_rate"]) if e else "–")
+        cells.append(format_positions(e["accept_rate"]) if e else "–")
         cells.append(f"{e['lossless_prompts']}/{e['num_prompts']}" if e and e["lossless_prompts"] is not None else "–")
         s = r["speed"] or {}
         cells += [_num(s.get("speculative_tokens_per_s"), ".1f"), _num(s.get("plain_tokens_per_s"), ".1f"),
