@@ -12,6 +12,10 @@ for the jobs it trains itself. ::
 Each ``LABEL=PATH`` is one report; a label's reports are told apart by the temperature they were
 decoded at (read from the report). Prints a markdown table (``--out`` writes it, with a ``.json``
 beside it).
+
+``--diff-in-diff A1,A0,B1,B0`` asks whether a change helps one draft more than another (say, twice
+the steps for DSpark against the same for DFlash2): (τ A1 − τ A0) − (τ B1 − τ B0), paired on the
+prompts at each temperature where all four were decoded, in a second table.
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.compare_report import format_positions  # noqa: E402
-from titan_draft.decoding.tau_interval import PromptMismatch, paired_difference, tau_interval  # noqa: E402
+from titan_draft.decoding.tau_interval import (  # noqa: E402
+    PromptMismatch,
+    paired_contrast,
+    paired_difference,
+    tau_interval,
+)
 
 
 class CompareError(ValueError):
@@ -98,6 +107,37 @@ def build_table(reports: dict[str, dict[str, dict]], reference: str) -> dict:
     return {"reference": reference, "temperatures": temps, "rows": rows}
 
 
+def diff_in_diff(reports: dict[str, dict[str, dict]], spec: str) -> list[dict]:
+    """``(A1 - A0) - (B1 - B0)`` for ``spec`` = "A1,A0,B1,B0", one entry per temperature at which all
+    four labels were decoded (``not_paired`` names why where their prompts differ)."""
+    labels = [x.strip() for x in spec.split(",")]
+    if len(labels) != 4 or not all(labels):
+        raise CompareError(f"--diff-in-diff {spec!r}: expected four labels A1,A0,B1,B0")
+    unknown = [x for x in labels if x not in reports]
+    if unknown:
+        raise CompareError(f"--diff-in-diff {spec!r}: {', '.join(unknown)} not among the labels ({', '.join(reports)})")
+    temps = sorted(set.intersection(*(set(reports[x]) for x in labels)), key=float)
+    if not temps:
+        raise CompareError(f"--diff-in-diff {spec!r}: no temperature at which all four were decoded")
+    out = []
+    for t in temps:
+        entry = {"labels": labels, "temperature": t}
+        try:
+            entry.update(paired_contrast([reports[x][t]["prompts"] for x in labels], [1.0, -1.0, -1.0, 1.0]))
+        except PromptMismatch as e:
+            entry["not_paired"] = str(e)
+        out.append(entry)
+    return out
+
+
+def render_diff_in_diff(entries: list[dict]) -> str:
+    lines = ["| T | (τ A1 − τ A0) − (τ B1 − τ B0) | value (95 % interval) |", "| --- | --- | --- |"]
+    for e in entries:
+        a1, a0, b1, b0 = e["labels"]
+        lines.append(f"| {e['temperature']} | ({a1} − {a0}) − ({b1} − {b0}) | {_difference(e)} |")
+    return "\n".join(lines) + "\n"
+
+
 def _difference(d: dict | None) -> str:
     if d is None:
         return "–"
@@ -133,14 +173,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("reports", nargs="+", metavar="LABEL=PATH", help="an eval report (repeatable per label)")
     p.add_argument("--reference", default=None, help="the label every other is paired against (default: the first)")
     p.add_argument("--out", default=None, help="write the markdown here, and the figures as JSON beside it")
+    p.add_argument("--diff-in-diff", action="append", default=[], metavar="A1,A0,B1,B0",
+                   help="does A1's change over A0 gain more than B1's over B0: (τ A1 − τ A0) − (τ B1 − τ B0), "
+                        "paired on the prompts (repeatable)")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         reports = load_reports(a.reports)
         table = build_table(reports, a.reference or next(iter(reports)))
+        table["diff_in_diff"] = [e for spec in a.diff_in_diff for e in diff_in_diff(reports, spec)]
     except CompareError as e:
         print(f"compare_evals: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     text = render(table)
+    if table["diff_in_diff"]:
+        text += "\n" + render_diff_in_diff(table["diff_in_diff"])
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)

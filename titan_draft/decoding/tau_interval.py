@@ -67,21 +67,38 @@ def paired_difference(a: Sequence[dict], b: Sequence[dict], level: float = LEVEL
                       resamples: int = RESAMPLES, seed: int = 0) -> dict:
     """tau(a) - tau(b) on the same prompts, with its paired bootstrap interval and the share of
     resamples in which ``a`` is ahead. ``established`` is True when the interval excludes 0."""
-    names_a, names_b = [p["name"] for p in a], [p["name"] for p in b]
-    if names_a != names_b:
-        only = sorted(set(names_a) ^ set(names_b))
-        what = f"prompts only one has: {', '.join(only[:3])}" if only else "the same prompts in another order"
-        raise PromptMismatch(f"the two evals were not decoded on the same prompts ({len(names_a)} against "
-                             f"{len(names_b)}; {what})")
-    if not a:
-        raise ValueError("paired_difference: no prompts")
-    ta, ra = _counts(a)
-    tb, rb = _counts(b)
-    idx = _resampled_indices(len(a), resamples, seed)
-    diffs = _ratio(ta, ra, idx) - _ratio(tb, rb, idx)
-    lo, hi = _bounds(diffs, level)
-    return {"difference": _tau(ta, ra) - _tau(tb, rb), "low": lo, "high": hi, "level": level, "resamples": resamples,
-            "a_ahead": (diffs > 0).double().mean().item(), "established": lo > 0 or hi < 0}
+    return paired_contrast([a, b], [1.0, -1.0], level=level, resamples=resamples, seed=seed)
+
+
+def paired_contrast(evals: Sequence[Sequence[dict]], weights: Sequence[float], level: float = LEVEL,
+                    resamples: int = RESAMPLES, seed: int = 0) -> dict:
+    """sum_i weights[i] * tau(evals[i]), every eval decoded on the same prompts, with its paired
+    bootstrap interval: one set of prompt indices per resample for all of them. With weights
+    (1, -1, -1, 1) over (A changed, A, B changed, B) it says whether a change helps draft A more
+    than draft B, a question the two paired differences alone cannot settle (their intervals share
+    the prompts). ``a_ahead`` is the share of resamples in which the contrast is positive."""
+    if len(evals) != len(weights) or len(evals) < 2:
+        raise ValueError(f"paired_contrast: {len(evals)} evals for {len(weights)} weights (need as many, two or more)")
+    names = [p["name"] for p in evals[0]]
+    for other in evals[1:]:
+        names_b = [p["name"] for p in other]
+        if names != names_b:
+            only = sorted(set(names) ^ set(names_b))
+            what = f"prompts only one has: {', '.join(only[:3])}" if only else "the same prompts in another order"
+            some = "the two evals" if len(evals) == 2 else "the evals"
+            raise PromptMismatch(f"{some} were not decoded on the same prompts ({len(names)} against "
+                                 f"{len(names_b)}; {what})")
+    if not names:
+        raise ValueError("paired_contrast: no prompts")
+    idx = _resampled_indices(len(names), resamples, seed)
+    value, samples = 0.0, torch.zeros(resamples, dtype=torch.float64)
+    for prompts, w in zip(evals, weights):
+        tokens, rounds = _counts(prompts)
+        value += w * _tau(tokens, rounds)
+        samples += w * _ratio(tokens, rounds, idx)
+    lo, hi = _bounds(samples, level)
+    return {"difference": value, "low": lo, "high": hi, "level": level, "resamples": resamples,
+            "a_ahead": (samples > 0).double().mean().item(), "established": lo > 0 or hi < 0}
 
 
 def format_interval(iv: dict, digits: int = 3) -> str:

@@ -9,6 +9,7 @@ import pytest
 from titan_draft.decoding.tau_interval import (
     PromptMismatch,
     format_interval,
+    paired_contrast,
     paired_difference,
     tau_interval,
 )
@@ -107,6 +108,55 @@ def test_reports_of_other_prompts_are_refused_in_one_line():
         paired_difference(a, a[::-1])
     with pytest.raises(ValueError, match="no prompts"):
         tau_interval([])
+
+
+def _four_drafts(rng, n, skills):
+    """Four drafts on the same prompts: a hard prompt is hard for all of them."""
+    out = [[] for _ in skills]
+    for i in range(n):
+        difficulty = rng.uniform(0.1, 1.0)
+        for draft, skill in zip(out, skills):
+            rounds, tokens = _draw_prompt(rng, difficulty, skill)
+            draft.append(_prompt(f"p{i}", tokens, rounds))
+    return out
+
+
+def _plain_tau(prompts):
+    return sum(p["round_tokens"] for p in prompts) / sum(p["rounds"] for p in prompts)
+
+
+def test_a_difference_in_differences_is_paired_across_all_four_evals():
+    # A's change gains (0.70 -> 0.82), B's gains nothing (0.74 -> 0.74): the contrast says so, while
+    # A's gain and B's stand-still, each read from its own paired interval, still overlap nothing
+    # that says "more"; an interval resampled per eval (not paired) would not establish it.
+    rng = random.Random(5)
+    a1, a0, b1, b0 = _four_drafts(rng, 40, (0.82, 0.70, 0.74, 0.74))
+    c = paired_contrast([a1, a0, b1, b0], [1, -1, -1, 1])
+    expected = (_plain_tau(a1) - _plain_tau(a0)) - (_plain_tau(b1) - _plain_tau(b0))
+    assert c["difference"] == pytest.approx(expected, abs=1e-12)
+    assert c["established"] and 0 < c["low"] < c["difference"] < c["high"] and c["a_ahead"] > 0.975
+    # the unpaired half-width: each eval's own interval, half-widths added in quadrature; pairing
+    # cancels the prompts' shared difficulty, so the contrast's interval is much narrower
+    unpaired = math.sqrt(sum(((iv["high"] - iv["low"]) / 2) ** 2 for iv in map(tau_interval, (a1, a0, b1, b0))))
+    assert (c["high"] - c["low"]) / 2 < 0.75 * unpaired
+    # two evals with weights (1, -1) are exactly the paired difference, interval and all
+    assert paired_contrast([a1, a0], [1, -1]) == paired_difference(a1, a0)
+
+
+def test_equal_gains_are_rarely_called_apart():
+    rng = random.Random(6)
+    trials = 150
+    called = sum(paired_contrast(_four_drafts(rng, 40, (0.85, 0.75, 0.85, 0.75)), [1, -1, -1, 1],
+                                 resamples=1000, seed=t)["established"] for t in range(trials))
+    assert called / trials <= 0.1, called / trials
+
+
+def test_a_contrast_needs_one_weight_per_eval_and_the_same_prompts():
+    a = [_prompt("mtbench:81", 10, 5), _prompt("mtbench:82", 10, 5)]
+    with pytest.raises(ValueError, match="3 evals for 4 weights"):
+        paired_contrast([a, a, a], [1, -1, -1, 1])
+    with pytest.raises(PromptMismatch, match="the evals were not decoded on the same prompts.*mtbench:83"):
+        paired_contrast([a, a, a, [_prompt("mtbench:81", 10, 5), _prompt("mtbench:83", 10, 5)]], [1, -1, -1, 1])
 
 
 def test_format_names_the_level_and_the_bounds():

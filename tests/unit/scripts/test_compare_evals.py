@@ -70,6 +70,36 @@ def test_reports_on_other_prompts_are_named_not_paired(tmp_path):
     assert "not paired: " in text
 
 
+def test_diff_in_diff_pairs_four_reports_at_each_shared_temperature(tmp_path):
+    rng = random.Random(1)
+    difficulty = [rng.uniform(0.1, 1.0) for _ in range(40)]
+    skills = {"a1": 0.7, "a0": 0.4, "b1": 0.45, "b0": 0.4}  # A gains 0.3, B 0.05
+    pts = {k: _prompts(rng, v, difficulty) for k, v in skills.items()}
+    argv = [f"{k}={_write(tmp_path, k, v)}" for k, v in pts.items()]
+    argv.append(f"a1={_write(tmp_path, 'a1_t1', pts['a1'], temperature=1.0)}")  # only a1 at T = 1
+    table, text = _table(tmp_path, [*argv, "--diff-in-diff", "a1,a0,b1,b0", "--diff-in-diff", "b1, b0, b1, b0"])
+    gain, none = table["diff_in_diff"]  # T = 1 is skipped: the other three were not decoded there
+    assert gain["temperature"] == "0" and gain["labels"] == ["a1", "a0", "b1", "b0"]
+    expected = (_tau(pts["a1"]) - _tau(pts["a0"])) - (_tau(pts["b1"]) - _tau(pts["b0"]))
+    assert gain["difference"] == pytest.approx(expected, abs=1e-12) and gain["established"] and gain["low"] > 0
+    assert none["difference"] == 0 and none["low"] == 0 == none["high"] and not none["established"]
+    assert "| 0 | (a1 − a0) − (b1 − b0) | +" in text and ", established |" in text
+    assert "| 0 | (b1 − b0) − (b1 − b0) | +0.000 (+0.000 to +0.000) |" in text
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("a,b,a", "expected four labels A1,A0,B1,B0"),
+    ("a,b,a,z", "z not among the labels (a, b)"),
+])
+def test_a_bad_diff_in_diff_gets_one_line(tmp_path, capsys, spec, message):
+    pts = [(50, 60)] * 3
+    with pytest.raises(SystemExit) as e:
+        main([f"a={_write(tmp_path, 'a', pts)}", f"b={_write(tmp_path, 'b', pts)}", "--diff-in-diff", spec])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("compare_evals: error: --diff-in-diff") and message in err and "\n" not in err
+
+
 @pytest.mark.parametrize("case, message", [
     ("no_equals", "expected LABEL=PATH"),
     ("twice", "a: two reports at T = 0"),
