@@ -89,12 +89,14 @@ def test_diff_in_diff_pairs_four_reports_at_each_shared_temperature(tmp_path):
 
 @pytest.mark.parametrize("spec, message", [
     ("a,b,a", "expected four labels A1,A0,B1,B0"),
-    ("a,b,a,z", "z not among the labels (a, b)"),
+    ("a,b,a,z", "z not among the labels (a, b, c)"),
+    ("a,b,c,b", "no temperature at which all four were decoded"),
 ])
 def test_a_bad_diff_in_diff_gets_one_line(tmp_path, capsys, spec, message):
     pts = [(50, 60)] * 3
     with pytest.raises(SystemExit) as e:
-        main([f"a={_write(tmp_path, 'a', pts)}", f"b={_write(tmp_path, 'b', pts)}", "--diff-in-diff", spec])
+        main([f"a={_write(tmp_path, 'a', pts)}", f"b={_write(tmp_path, 'b', pts)}",
+              f"c={_write(tmp_path, 'c', pts, temperature=1.0)}", "--diff-in-diff", spec])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("compare_evals: error: --diff-in-diff") and message in err and "\n" not in err
