@@ -16,6 +16,11 @@ beside it).
 ``--diff-in-diff A1,A0,B1,B0`` asks whether a change helps one draft more than another (say, twice
 the steps for DSpark against the same for DFlash2): (τ A1 − τ A0) − (τ B1 − τ B0), paired on the
 prompts at each temperature where all four were decoded, in a second table.
+
+``--across-seeds A1+A2,B1+B2`` compares two drafts each trained with several seeds (a label per
+seed): the mean of each draft's seeds, their range, and the order called only where every pairing
+of an A seed with a B seed is established on the prompts (a second training run moves tau by
+more than the prompt bootstrap can see).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts.compare_report import format_positions  # noqa: E402
 from titan_draft.decoding.tau_interval import (  # noqa: E402
     PromptMismatch,
+    across_seeds,
     paired_contrast,
     paired_difference,
     tau_interval,
@@ -130,6 +136,48 @@ def diff_in_diff(reports: dict[str, dict[str, dict]], spec: str) -> list[dict]:
     return out
 
 
+def compare_across_seeds(reports: dict[str, dict[str, dict]], spec: str) -> list[dict]:
+    """Draft A's seeds against draft B's for ``spec`` = "A1+A2,B1+B2", one entry per temperature at
+    which every one of those labels was decoded (``not_paired`` names why where prompts differ)."""
+    arms = [[x.strip() for x in arm.split("+")] for arm in spec.split(",")]
+    if len(arms) != 2 or not all(all(arm) for arm in arms):
+        raise CompareError(f"--across-seeds {spec!r}: expected two drafts' seed labels, A1+A2,B1+B2")
+    labels = arms[0] + arms[1]
+    unknown = [x for x in labels if x not in reports]
+    if unknown:
+        raise CompareError(f"--across-seeds {spec!r}: {', '.join(unknown)} not among the labels ({', '.join(reports)})")
+    if len(set(labels)) != len(labels):
+        raise CompareError(f"--across-seeds {spec!r}: a label appears twice")
+    temps = sorted(set.intersection(*(set(reports[x]) for x in labels)), key=float)
+    if not temps:
+        raise CompareError(f"--across-seeds {spec!r}: no temperature at which all of them were decoded")
+    out = []
+    for t in temps:
+        entry = {"a": arms[0], "b": arms[1], "temperature": t}
+        try:
+            entry.update(across_seeds([reports[x][t]["prompts"] for x in arms[0]],
+                                      [reports[x][t]["prompts"] for x in arms[1]]))
+        except PromptMismatch as e:
+            entry["not_paired"] = str(e)
+        out.append(entry)
+    return out
+
+
+def render_across_seeds(entries: list[dict]) -> str:
+    lines = ["| T | A (seeds) | B (seeds) | τ A, mean (range) | τ B, mean (range) | mean A − mean B (95 %, prompts) "
+             "| pairings established |", "|" + " --- |" * 7]
+    for e in entries:
+        head = f"| {e['temperature']} | {' + '.join(e['a'])} | {' + '.join(e['b'])} |"
+        if "not_paired" in e:
+            lines.append(f"{head} – | – | not paired: {e['not_paired']} | – |")
+            continue
+        verdict = f"{e['established_pairings']} of {len(e['pairings'])}"
+        verdict += ", order established" if e["established"] else ""
+        lines.append(f"{head} {e['tau_a']:.3f} ({e['spread_a']:.3f}) | {e['tau_b']:.3f} ({e['spread_b']:.3f}) | "
+                     f"{_difference(e['mean'])} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
 def render_diff_in_diff(entries: list[dict]) -> str:
     lines = ["| T | (τ A1 − τ A0) − (τ B1 − τ B0) | value (95 % interval) |", "| --- | --- | --- |"]
     for e in entries:
@@ -176,17 +224,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--diff-in-diff", action="append", default=[], metavar="A1,A0,B1,B0",
                    help="does A1's change over A0 gain more than B1's over B0: (τ A1 − τ A0) − (τ B1 − τ B0), "
                         "paired on the prompts (repeatable)")
+    p.add_argument("--across-seeds", action="append", default=[], metavar="A1+A2,B1+B2",
+                   help="draft A (one label per training seed) against draft B: the seeds' means, and the order "
+                        "where every pairing of an A seed with a B seed is established (repeatable)")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         reports = load_reports(a.reports)
         table = build_table(reports, a.reference or next(iter(reports)))
         table["diff_in_diff"] = [e for spec in a.diff_in_diff for e in diff_in_diff(reports, spec)]
+        table["across_seeds"] = [e for spec in a.across_seeds for e in compare_across_seeds(reports, spec)]
     except CompareError as e:
         print(f"compare_evals: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     text = render(table)
     if table["diff_in_diff"]:
         text += "\n" + render_diff_in_diff(table["diff_in_diff"])
+    if table["across_seeds"]:
+        text += "\n" + render_across_seeds(table["across_seeds"])
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)

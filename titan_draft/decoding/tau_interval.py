@@ -101,6 +101,31 @@ def paired_contrast(evals: Sequence[Sequence[dict]], weights: Sequence[float], l
             "a_ahead": (samples > 0).double().mean().item(), "established": lo > 0 or hi < 0}
 
 
+def across_seeds(a_seeds: Sequence[Sequence[dict]], b_seeds: Sequence[Sequence[dict]], level: float = LEVEL,
+                 resamples: int = RESAMPLES, seed: int = 0) -> dict:
+    """Draft A against draft B when each was trained more than once (one eval per training seed,
+    all on the same prompts). The prompt bootstrap sees only the prompts, not how much a second
+    training run moves tau, so the order is called only where it holds in every pairing of an A
+    seed with a B seed, each paired on the prompts: ``established`` is True when every one of
+    those intervals excludes 0 on the same side. ``mean`` is the mean of A's seeds less the mean
+    of B's with its prompt-paired interval (seeds held fixed), ``pairings`` each pairing's
+    :func:`paired_difference`, ``spread_a``/``spread_b`` the range of each draft's seeds' tau."""
+    if not a_seeds or not b_seeds:
+        raise ValueError("across_seeds: each draft needs at least one eval")
+    ka, kb = len(a_seeds), len(b_seeds)
+    mean = paired_contrast([*a_seeds, *b_seeds], [1.0 / ka] * ka + [-1.0 / kb] * kb,
+                           level=level, resamples=resamples, seed=seed)
+    pairings = [paired_difference(a, b, level=level, resamples=resamples, seed=seed) for a in a_seeds for b in b_seeds]
+    taus_a = [_tau(*_counts(a)) for a in a_seeds]
+    taus_b = [_tau(*_counts(b)) for b in b_seeds]
+    ahead = sum(p["low"] > 0 for p in pairings)
+    behind = sum(p["high"] < 0 for p in pairings)
+    return {"mean": mean, "tau_a": sum(taus_a) / ka, "tau_b": sum(taus_b) / kb,
+            "spread_a": max(taus_a) - min(taus_a), "spread_b": max(taus_b) - min(taus_b),
+            "pairings": pairings, "established_pairings": max(ahead, behind),
+            "established": ahead == len(pairings) or behind == len(pairings)}
+
+
 def format_interval(iv: dict, digits: int = 3) -> str:
     """'1.505 (95 % interval 1.471 to 1.540)'."""
     return (f"{iv['tau']:.{digits}f} ({100 * iv['level']:g} % interval {iv['low']:.{digits}f} to "

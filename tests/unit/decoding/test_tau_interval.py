@@ -8,6 +8,7 @@ import pytest
 
 from titan_draft.decoding.tau_interval import (
     PromptMismatch,
+    across_seeds,
     format_interval,
     paired_contrast,
     paired_difference,
@@ -157,6 +158,29 @@ def test_a_contrast_needs_one_weight_per_eval_and_the_same_prompts():
         paired_contrast([a, a, a], [1, -1, -1, 1])
     with pytest.raises(PromptMismatch, match="the evals were not decoded on the same prompts.*mtbench:83"):
         paired_contrast([a, a, a, [_prompt("mtbench:81", 10, 5), _prompt("mtbench:83", 10, 5)]], [1, -1, -1, 1])
+
+
+def test_an_order_across_seeds_holds_only_where_every_pairing_of_seeds_holds():
+    # A's second training seed came out no better than B (0.70 against 0.70, 0.70), its first
+    # clearly better (0.82): the mean of A's seeds is ahead on the prompts, but which draft is
+    # better depends on the seed drawn, so the order is not called; with both A seeds ahead it is.
+    a_good, a_same, b1, b2, a_good2 = _four_drafts(random.Random(8), 40, (0.82, 0.70, 0.70, 0.70, 0.82))
+    split = across_seeds([a_good, a_same], [b1, b2])
+    taus_a, taus_b = [_plain_tau(x) for x in (a_good, a_same)], [_plain_tau(x) for x in (b1, b2)]
+    assert split["tau_a"] == pytest.approx(sum(taus_a) / 2, abs=1e-12)
+    assert split["tau_b"] == pytest.approx(sum(taus_b) / 2, abs=1e-12)
+    assert split["spread_a"] == pytest.approx(abs(taus_a[0] - taus_a[1]), abs=1e-12)
+    assert split["mean"]["difference"] == pytest.approx(split["tau_a"] - split["tau_b"], abs=1e-12)
+    assert split["mean"]["established"]  # the prompts alone would call it
+    assert [p["established"] for p in split["pairings"]] == [True, True, False, False]
+    assert split["pairings"][2] == paired_difference(a_same, b1)
+    assert not split["established"] and split["established_pairings"] == 2
+    both = across_seeds([a_good, a_good2], [b1, b2])
+    assert both["established"] and both["established_pairings"] == 4
+    behind = across_seeds([b1, b2], [a_good, a_good2])
+    assert behind["established"] and behind["mean"]["high"] < 0
+    with pytest.raises(ValueError, match="each draft needs at least one eval"):
+        across_seeds([], [b1])
 
 
 def test_format_names_the_level_and_the_bounds():

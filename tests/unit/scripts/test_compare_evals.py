@@ -87,6 +87,42 @@ def test_diff_in_diff_pairs_four_reports_at_each_shared_temperature(tmp_path):
     assert "| 0 | (b1 − b0) − (b1 − b0) | +0.000 (+0.000 to +0.000) |" in text
 
 
+def test_across_seeds_reports_each_drafts_seeds_and_calls_the_order_only_in_every_pairing(tmp_path):
+    rng = random.Random(2)
+    difficulty = [rng.uniform(0.1, 1.0) for _ in range(40)]
+    skills = {"a1": 0.7, "a2": 0.7, "b1": 0.4, "b2": 0.4, "c1": 0.7, "c2": 0.4}
+    pts = {k: _prompts(rng, v, difficulty) for k, v in skills.items()}
+    argv = [f"{k}={_write(tmp_path, k, v)}" for k, v in pts.items()]
+    argv.append(f"a1={_write(tmp_path, 'a1_t1', pts['a1'], temperature=1.0)}")  # only a1 at T = 1
+    table, text = _table(tmp_path, [*argv, "--across-seeds", "a1+a2,b1+b2", "--across-seeds", "c1+c2, b1+b2"])
+    ab, cb = table["across_seeds"]  # T = 1 is skipped: the others were not decoded there
+    assert ab["temperature"] == "0" and ab["a"] == ["a1", "a2"] and ab["b"] == ["b1", "b2"]
+    assert ab["tau_a"] == pytest.approx((_tau(pts["a1"]) + _tau(pts["a2"])) / 2, abs=1e-12)
+    assert ab["spread_b"] == pytest.approx(abs(_tau(pts["b1"]) - _tau(pts["b2"])), abs=1e-12)
+    assert ab["established"] and ab["established_pairings"] == 4
+    # C's second seed is no better than B: its mean is ahead, the order is not called
+    assert cb["mean"]["established"] and not cb["established"] and cb["established_pairings"] == 2
+    assert "| 0 | a1 + a2 | b1 + b2 | " in text and "| 4 of 4, order established |" in text
+    assert "| 0 | c1 + c2 | b1 + b2 | " in text and "| 2 of 4 |" in text
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("a+b", "expected two drafts' seed labels, A1+A2,B1+B2"),
+    ("a+,b", "expected two drafts' seed labels"),
+    ("a+z,b", "z not among the labels (a, b, c)"),
+    ("a+b,b", "a label appears twice"),
+    ("a,c", "no temperature at which all of them were decoded"),
+])
+def test_a_bad_across_seeds_gets_one_line(tmp_path, capsys, spec, message):
+    pts = [(50, 60)] * 3
+    with pytest.raises(SystemExit) as e:
+        main([f"a={_write(tmp_path, 'a', pts)}", f"b={_write(tmp_path, 'b', pts)}",
+              f"c={_write(tmp_path, 'c', pts, temperature=1.0)}", "--across-seeds", spec])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("compare_evals: error: --across-seeds") and message in err and "\n" not in err
+
+
 @pytest.mark.parametrize("spec, message", [
     ("a,b,a", "expected four labels A1,A0,B1,B0"),
     ("a,b,a,z", "z not among the labels (a, b, c)"),
