@@ -174,7 +174,9 @@ def main(argv=None) -> None:
     if bad:
         raise SystemExit(f"bench_decode: --proposals: {bad} not among {list(PROPOSALS)}")
     for kind in kinds:
-        t = bench_proposer(target, kind, a.draft_flavor, a.context, a.warmup, a.iters)
+        # the block drafts' plain row commits eagerly (graph_commit is their default where graphs are on)
+        plain = {} if kind == "eagle3" else {"graph_commit": False}
+        t = bench_proposer(target, kind, a.draft_flavor, a.context, a.warmup, a.iters, **plain)
         rows = [("proposal", t[False][0], t[True][0]),
                 ("draft round (proposal + commit of 1 token)", t[False][1], t[True][1])]
         if kind != "eagle3":  # the block drafts' fixed-width commit (graph_commit)

@@ -22,7 +22,7 @@ class DFlashProposer(BlockDecoder):
     :class:`BlockDecoder`'s)."""
 
     def __init__(self, draft: DFlash2Draft, max_len: int = 0, graphs: bool | None = None,
-                 graph_commit: bool = False):
+                 graph_commit: bool | None = None):
         super().__init__(draft, graphs, graph_commit)
         a = draft.args
         self.num_draft_tokens = a.block_size - 1

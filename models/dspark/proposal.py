@@ -55,11 +55,11 @@ class DSparkProposer(BlockDecoder):
             b - 1 tokens; SpecForge's reference decoder). Module docstring.
         graphs: replay proposals as CUDA graphs (needs a CUDA device); None: on a CUDA device.
         graph_commit: commit a round's tokens with fixed shapes, a CUDA graph with ``graphs``
-            (:class:`BlockDecoder`).
+            (:class:`BlockDecoder`); None: where proposals replay.
     """
 
     def __init__(self, draft: DSparkDraft, max_len: int = 0, confidence_threshold: float = 0.0,
-                 decode_as: str = "sglang", graphs: bool | None = None, graph_commit: bool = False):
+                 decode_as: str = "sglang", graphs: bool | None = None, graph_commit: bool | None = None):
         super().__init__(draft, graphs, graph_commit)
         a = draft.args
         if not 0.0 <= confidence_threshold < 1.0:

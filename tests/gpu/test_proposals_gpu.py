@@ -143,13 +143,14 @@ def _eval_drafts(target):
             for p in d.parameters():
                 p.add_(torch.randn_like(p) * 0.1)
         d.load_frozen_tables(target.embed_weight(), target.lm_head_weight())
+    # graphs on: the default (the commit replayed too) and the proposal alone replayed
     return {"dspark": (ds.eval(), lambda d, g: DSparkProposer(d, confidence_threshold=0.1, graphs=g)),
-            "dspark_graph_commit": (ds.eval(), lambda d, g: DSparkProposer(d, confidence_threshold=0.1, graphs=g,
-                                                                            graph_commit=bool(g))),
+            "dspark_eager_commit": (ds.eval(), lambda d, g: DSparkProposer(d, confidence_threshold=0.1, graphs=g,
+                                                                            graph_commit=False)),
             "eagle3": (ea.eval(), lambda d, g: Eagle3Proposer(d, graphs=g))}
 
 
-@pytest.mark.parametrize("draft", ["dspark", "dspark_graph_commit", "eagle3"])
+@pytest.mark.parametrize("draft", ["dspark", "dspark_eager_commit", "eagle3"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @torch.no_grad()
 def test_eval_tau_is_the_same_with_graphs_on_and_off(draft, temperature):

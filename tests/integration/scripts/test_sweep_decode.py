@@ -47,7 +47,7 @@ def test_each_setting_is_decoded_and_the_plain_decodes_shared(export_dir, random
     (("--option", "graph_commit"), "--option 'graph_commit': expected KEY=V1[,V2...]"),
     (("--option", "graph_commit=true", "--option", "graph_commit=false"), "--option graph_commit: given twice"),
     (("--option", "graph_commit=False"), "graph_commit=False: titan_draft.eval: error: --proposer-option "
-                                         "graph_commit='False': draft 'dflash2' takes bool there"),
+                                         "graph_commit='False': draft 'dflash2' takes bool or null there"),
 ])
 def test_bad_input_is_refused_in_one_line(export_dir, random_target_dir, tmp_path, extra, want):
     proc = _sweep(random_target_dir, export_dir, tmp_path, *extra)

@@ -34,8 +34,8 @@ def test_an_option_the_proposer_lacks_is_named():
 
 
 @pytest.mark.parametrize("draft,item,names", [
-    ("dspark", "graph_commit=False", "bool"),  # not JSON: the text 'False', which bool() reads as true
-    ("dflash2", "graph_commit=1", "bool"),
+    ("dspark", "graph_commit=False", "bool or null"),  # not JSON: the text 'False', which bool() reads as true
+    ("dflash2", "graph_commit=1", "bool or null"),
     ("eagle3", "graphs=yes", "bool or null"),
     ("eagle3", "num_draft_tokens=3.5", "int or null"),
     ("eagle3", "num_draft_tokens=true", "int or null"),

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from models.block_diffusion import decoder
 from models.dflash2.model import DFlash2Draft
 from models.dflash2.proposal import DFlashProposer
 from models.dspark import DSparkProposer
@@ -66,6 +67,13 @@ def test_fixed_commit_reads_nothing_on_the_host():
         fixed._commit_fixed()
 
 
-def test_plain_commit_is_the_default():
-    d = dspark_draft("rnn")
-    assert not DSparkProposer(d).graph_commit and not DFlashProposer(dflash2_draft("debugmodel")).graph_commit
+def test_the_fixed_commit_is_the_default_where_proposals_replay(monkeypatch):
+    d, d2 = dspark_draft("rnn"), dflash2_draft("debugmodel")
+    # eagerly (the CPU) the plain commit: the fixed width would only add rows
+    assert not DSparkProposer(d).graph_commit and not DFlashProposer(d2).graph_commit
+    assert DSparkProposer(d, graph_commit=True).graph_commit  # asked for, it is kept
+    # where proposals replay as graphs, the commit replays too unless turned off (the GPU timing
+    # of 2026-12-05); graphs stubbed on here, no graph is captured by construction
+    monkeypatch.setattr(decoder, "maybe_graphs", lambda graphs, device, name: True)
+    assert DSparkProposer(d).graph_commit and DFlashProposer(d2).graph_commit
+    assert not DSparkProposer(d, graph_commit=False).graph_commit
