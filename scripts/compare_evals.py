@@ -119,17 +119,25 @@ def diff_in_diff(reports: dict[str, dict[str, dict]], spec: str) -> list[dict]:
     labels = [x.strip() for x in spec.split(",")]
     if len(labels) != 4 or not all(labels):
         raise CompareError(f"--diff-in-diff {spec!r}: expected four labels A1,A0,B1,B0")
+    return _at_shared_temperatures(
+        reports, f"--diff-in-diff {spec!r}", labels, "all four", {"labels": labels},
+        lambda t: paired_contrast([reports[x][t]["prompts"] for x in labels], [1.0, -1.0, -1.0, 1.0]))
+
+
+def _at_shared_temperatures(reports, option: str, labels: list[str], which: str, head: dict, compare) -> list[dict]:
+    """``head`` plus ``compare(t)`` at each temperature where every one of ``labels`` was decoded
+    (``not_paired`` names why where their prompts differ); one line for an unknown label."""
     unknown = [x for x in labels if x not in reports]
     if unknown:
-        raise CompareError(f"--diff-in-diff {spec!r}: {', '.join(unknown)} not among the labels ({', '.join(reports)})")
+        raise CompareError(f"{option}: {', '.join(unknown)} not among the labels ({', '.join(reports)})")
     temps = sorted(set.intersection(*(set(reports[x]) for x in labels)), key=float)
     if not temps:
-        raise CompareError(f"--diff-in-diff {spec!r}: no temperature at which all four were decoded")
+        raise CompareError(f"{option}: no temperature at which {which} were decoded")
     out = []
     for t in temps:
-        entry = {"labels": labels, "temperature": t}
+        entry = {**head, "temperature": t}
         try:
-            entry.update(paired_contrast([reports[x][t]["prompts"] for x in labels], [1.0, -1.0, -1.0, 1.0]))
+            entry.update(compare(t))
         except PromptMismatch as e:
             entry["not_paired"] = str(e)
         out.append(entry)
@@ -143,24 +151,11 @@ def compare_across_seeds(reports: dict[str, dict[str, dict]], spec: str) -> list
     if len(arms) != 2 or not all(all(arm) for arm in arms):
         raise CompareError(f"--across-seeds {spec!r}: expected two drafts' seed labels, A1+A2,B1+B2")
     labels = arms[0] + arms[1]
-    unknown = [x for x in labels if x not in reports]
-    if unknown:
-        raise CompareError(f"--across-seeds {spec!r}: {', '.join(unknown)} not among the labels ({', '.join(reports)})")
     if len(set(labels)) != len(labels):
         raise CompareError(f"--across-seeds {spec!r}: a label appears twice")
-    temps = sorted(set.intersection(*(set(reports[x]) for x in labels)), key=float)
-    if not temps:
-        raise CompareError(f"--across-seeds {spec!r}: no temperature at which all of them were decoded")
-    out = []
-    for t in temps:
-        entry = {"a": arms[0], "b": arms[1], "temperature": t}
-        try:
-            entry.update(across_seeds([reports[x][t]["prompts"] for x in arms[0]],
-                                      [reports[x][t]["prompts"] for x in arms[1]]))
-        except PromptMismatch as e:
-            entry["not_paired"] = str(e)
-        out.append(entry)
-    return out
+    return _at_shared_temperatures(
+        reports, f"--across-seeds {spec!r}", labels, "all of them", {"a": arms[0], "b": arms[1]},
+        lambda t: across_seeds(*([reports[x][t]["prompts"] for x in arm] for arm in arms)))
 
 
 def render_across_seeds(entries: list[dict]) -> str:

@@ -106,36 +106,24 @@ def test_across_seeds_reports_each_drafts_seeds_and_calls_the_order_only_in_ever
     assert "| 0 | c1 + c2 | b1 + b2 | " in text and "| 2 of 4 |" in text
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("a+b", "expected two drafts' seed labels, A1+A2,B1+B2"),
-    ("a+,b", "expected two drafts' seed labels"),
-    ("a+z,b", "z not among the labels (a, b, c)"),
-    ("a+b,b", "a label appears twice"),
-    ("a,c", "no temperature at which all of them were decoded"),
+@pytest.mark.parametrize("option, spec, message", [
+    ("--diff-in-diff", "a,b,a", "expected four labels A1,A0,B1,B0"),
+    ("--diff-in-diff", "a,b,a,z", "z not among the labels (a, b, c)"),
+    ("--diff-in-diff", "a,b,c,b", "no temperature at which all four were decoded"),
+    ("--across-seeds", "a+b", "expected two drafts' seed labels, A1+A2,B1+B2"),
+    ("--across-seeds", "a+,b", "expected two drafts' seed labels"),
+    ("--across-seeds", "a+z,b", "z not among the labels (a, b, c)"),
+    ("--across-seeds", "a+b,b", "a label appears twice"),
+    ("--across-seeds", "a,c", "no temperature at which all of them were decoded"),
 ])
-def test_a_bad_across_seeds_gets_one_line(tmp_path, capsys, spec, message):
+def test_a_bad_comparison_of_labels_gets_one_line(tmp_path, capsys, option, spec, message):
     pts = [(50, 60)] * 3
     with pytest.raises(SystemExit) as e:
         main([f"a={_write(tmp_path, 'a', pts)}", f"b={_write(tmp_path, 'b', pts)}",
-              f"c={_write(tmp_path, 'c', pts, temperature=1.0)}", "--across-seeds", spec])
+              f"c={_write(tmp_path, 'c', pts, temperature=1.0)}", option, spec])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("compare_evals: error: --across-seeds") and message in err and "\n" not in err
-
-
-@pytest.mark.parametrize("spec, message", [
-    ("a,b,a", "expected four labels A1,A0,B1,B0"),
-    ("a,b,a,z", "z not among the labels (a, b, c)"),
-    ("a,b,c,b", "no temperature at which all four were decoded"),
-])
-def test_a_bad_diff_in_diff_gets_one_line(tmp_path, capsys, spec, message):
-    pts = [(50, 60)] * 3
-    with pytest.raises(SystemExit) as e:
-        main([f"a={_write(tmp_path, 'a', pts)}", f"b={_write(tmp_path, 'b', pts)}",
-              f"c={_write(tmp_path, 'c', pts, temperature=1.0)}", "--diff-in-diff", spec])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("compare_evals: error: --diff-in-diff") and message in err and "\n" not in err
+    assert err.startswith(f"compare_evals: error: {option}") and message in err and "\n" not in err
 
 
 @pytest.mark.parametrize("case, message", [
