@@ -7,11 +7,15 @@ SpecForge users do with an SGLang server, in plain PyTorch: the first user turn 
 generation prompt and answered greedily or by sampling, batched with a left-padded KV cache.
 A prompt the source repeats is answered once per pass; later rows asking a held-out prompt are not
 answered (titan_draft/data/sources/rows.py: split_rows). A second, sampled pass into the same folder (``--tag``)
-gives every prompt another answer: more training text from the same prompts.
+gives every prompt another answer: more training text from the same prompts. A pass with
+``--turn N`` (N > 1, its own ``--tag``) answers each conversation's N-th user turn, after the
+target's own greedy answers to the turns before it (read from the passes already in ``--out``): new
+questions, asked in context, where a second sampled answer to the same question adds little.
 
     python scripts/regenerate_data.py --target outputs/targets/smollm2 --out outputs/data/smollm2_regen \\
         --num-prompts 20000 --max-new-tokens 512
     python scripts/regenerate_data.py ... --skip-rows 200 --temperature 0.7 --top-p 0.9 --tag t07
+    python scripts/regenerate_data.py ... --skip-rows 200 --turn 2 --tag turn2   (then --turn 3 --tag turn3)
     torchrun --nproc_per_node 8 scripts/regenerate_data.py ...   (rank r answers prompts r, r + W, ...)
 
 ``--out`` becomes a folder that ``data.source`` reads: ``part-[<tag>-]<rank>.jsonl`` files of
@@ -38,8 +42,12 @@ from titan_draft.distributed.cuda_graphs import maybe_graphed  # noqa: E402
 from titan_draft.features.target import load_target  # noqa: E402
 from titan_draft.data.chat.format import resolve_chat_format  # noqa: E402
 from titan_draft.data.chat.prompts import first_query, render_prompt, stop_token_ids  # noqa: E402
-from titan_draft.data.sources.rows import prompt_key, split_rows  # noqa: E402
+from titan_draft.data.chat.template import Turn  # noqa: E402
+from titan_draft.data.sources.rows import normalize_row, prompt_key, split_rows  # noqa: E402
 from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
+
+
+_SPEAKER = {"system": "system", "user": "human", "assistant": "gpt"}
 
 
 def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
@@ -113,6 +121,9 @@ def _parse(argv):
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode eagerly (default on a GPU: each batch's decode step replays as a CUDA graph)")
     p.add_argument("--tag", default="", help="name of this pass: its own part files beside the others in --out")
+    p.add_argument("--turn", type=int, default=1,
+                   help="answer each conversation's N-th user turn, after the target's own greedy answers "
+                        "to the earlier ones (passes already in --out); N > 1 needs its own --tag")
     p.add_argument("--max-seconds", type=float, default=0,
                    help="start no new batch after this long (0: no limit); run again to continue")
     return p.parse_args(argv)
@@ -155,6 +166,64 @@ def distinct_prompts(rows: list) -> tuple[list[int], int]:
     return asked, len(rows) - len(asked)
 
 
+def _key(turns) -> tuple[tuple[str, str], ...]:
+    return tuple((t.role, t.content) for t in turns)
+
+
+def own_answers(out: str, template: str, system_prompt: str) -> dict[tuple, str]:
+    """The target's greedy answers already in ``out`` (any pass rendered like this one), by the
+    turns they answer. A later turn is asked after these, not after the source's answers: those
+    came from another model, and at serving time the history is the target's own. An answer cut
+    at ``--max-new-tokens`` counts too: a server capped at that length returns the same text."""
+    answers: dict[tuple, str] = {}
+    meta = os.path.join(out, "meta")
+    for name in sorted(os.listdir(meta)) if os.path.isdir(meta) else []:
+        if not (name.startswith("settings-") and name.endswith(".json")):
+            continue
+        with open(os.path.join(meta, name), encoding="utf-8") as f:
+            settings = json.load(f)
+        if (settings.get("temperature") != 0 or settings.get("chat_template") != template
+                or settings.get("system_prompt") != system_prompt):
+            continue
+        part = os.path.join(out, "part-" + name[len("settings-"):-len(".json")] + ".jsonl")
+        for _, line in _rows_of(part):
+            row = json.loads(line)
+            turns = normalize_row(row)
+            if not isinstance(turns, str):
+                answers[_key(turns[:-1])] = turns[-1].content
+    return answers
+
+
+def later_prompts(rows: list, turn: int, answers: dict) -> tuple[list[tuple[int, list[Turn]]], int, dict]:
+    """``(row index, prompt)`` of each distinct ``turn``-th query, the count of repeats left out,
+    and why the other rows were passed over: the prompt is the row's system turn and user turns up
+    to the ``turn``-th, each earlier one followed by the target's own answer to it."""
+    out, seen, repeats, passed = [], set(), 0, {"fewer_turns": 0, "no_own_answer": 0, "unusable": 0}
+    for i, row in enumerate(rows):
+        turns = normalize_row(row)
+        if isinstance(turns, str):
+            passed["unusable"] += 1
+            continue
+        users = [j for j, t in enumerate(turns) if t.role == "user"]
+        if len(users) < turn:
+            passed["fewer_turns"] += 1
+            continue
+        prompt = turns[: users[0] + 1]
+        for k in range(1, turn):
+            answer = answers.get(_key(prompt))
+            if answer is None:
+                passed["no_own_answer"] += 1
+                break
+            prompt = [*prompt, Turn("assistant", answer), turns[users[k]]]
+        else:
+            if _key(prompt) in seen:
+                repeats += 1
+            else:
+                seen.add(_key(prompt))
+                out.append((i, prompt))
+    return out, repeats, passed
+
+
 def batch_order(todo: list, batch_size: int, window_batches: int = 16) -> list:
     """``todo`` (in source order) sorted by prompt length within windows of ``window_batches``
     batches: similar lengths batch with little padding, and a run cut short by --max-seconds has
@@ -171,6 +240,9 @@ def main(argv=None) -> None:
     # ones (the held-out rows stay first)
     if a.tag and not (a.tag[0].isascii() and a.tag[0].isalpha() and a.tag.replace("-", "").replace("_", "").isalnum()):
         raise SystemExit(f"regenerate_data: error: --tag {a.tag!r}: a letter, then letters, digits, '-' or '_'")
+    if a.turn < 1 or (a.turn > 1 and not a.tag):
+        raise SystemExit(f"regenerate_data: error: --turn {a.turn}: 1, or a later turn with its own --tag "
+                         "(its answers go beside the passes it reads its history from)")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
@@ -191,10 +263,16 @@ def main(argv=None) -> None:
     previous = _rows_of(part)
     _rewrite(part, previous)  # drops a line an interruption cut, before appending
     done = {row for row, _ in previous}
-    todo, skipped = [], 0
-    asked, repeats = distinct_prompts(split.rows)
-    for i in asked[rank::world]:
-        turns = first_query(split.rows[i])
+    todo, skipped, passed = [], 0, {}
+    if a.turn == 1:
+        asked, repeats = distinct_prompts(split.rows)
+        queries = [(i, first_query(split.rows[i])) for i in asked[rank::world]]
+    else:
+        found, repeats, passed = later_prompts(split.rows, a.turn, own_answers(a.out, template, system_prompt))
+        queries = found[rank::world]
+        print(f"rank {rank}: turn {a.turn} of {len(found)} conversations ({passed['fewer_turns']} have fewer "
+              f"turns, {passed['no_own_answer']} lack a greedy answer to an earlier turn)", flush=True)
+    for i, turns in queries:
         if turns is None:
             skipped += 1
             continue
@@ -218,9 +296,10 @@ def main(argv=None) -> None:
                                top_p=a.top_p, generator=gen, vocab_limit=tokenizer.n_vocab)
             for (row_id, turns, _), (tokens, finished) in zip(chunk, answers):
                 text = tokenizer.decode([t for t in tokens if t not in stops])
-                conv = [{"from": "system" if t.role == "system" else "human", "value": t.content} for t in turns]
+                conv = [{"from": _SPEAKER[t.role], "value": t.content} for t in turns]
                 conv.append({"from": "gpt", "value": text})
-                f.write(json.dumps({"conversations": conv, "source_row": row_id, "finished": finished},
+                extra = {"turn": a.turn} if a.turn > 1 else {}
+                f.write(json.dumps({"conversations": conv, "source_row": row_id, "finished": finished, **extra},
                                    ensure_ascii=False) + "\n")
                 written += 1
                 unfinished += not finished
@@ -233,8 +312,9 @@ def main(argv=None) -> None:
                 "chat_template": template, "system_prompt": system_prompt,
                 "enable_thinking": thinking, "max_new_tokens": a.max_new_tokens,
                 "max_prompt_tokens": a.max_prompt_tokens, "temperature": a.temperature, "top_p": a.top_p,
-                "seed": a.seed, "tag": a.tag, "dtype": str(dtype).removeprefix("torch."), "world_size": world}
-    counts = {"answered": written, "unfinished": unfinished, "already_done": len(done), "skipped": skipped,
+                "seed": a.seed, "tag": a.tag, "turn": a.turn, "dtype": str(dtype).removeprefix("torch."),
+                "world_size": world}
+    counts = {**passed, "answered": written, "unfinished": unfinished, "already_done": len(done), "skipped": skipped,
               "left": len(todo) - written,
               "seconds": round(time.perf_counter() - start, 1)}
     with open(os.path.join(a.out, "meta", f"settings-{name}.json"), "w") as f:

@@ -171,3 +171,50 @@ def test_batch_order_sorts_within_windows_of_the_source():
         window = got[w : w + 8]
         assert {i for i, _, _ in window} == set(range(w, w + 8))
         assert [len(ids) for _, _, ids in window] == sorted(len(ids) for _, _, ids in window)
+
+
+def test_a_later_turn_is_asked_after_the_targets_own_answers(tmp_path, random_target_dir):
+    """--turn 2 asks each conversation's second question after the target's greedy answer to the
+    first (from the greedy pass in --out, never the source's answer nor a sampled pass's), and
+    its answer is what one-at-a-time greedy decoding gives for that history."""
+    path = tmp_path / "chats.jsonl"
+    convs = [[("human", f"first {i}"), ("gpt", "source answer"), ("human", f"second {i}"), ("gpt", "x")]
+             for i in range(3)] + [[("human", "only one"), ("gpt", "y")]]
+    with open(path, "w") as f:
+        for conv in convs:
+            f.write(json.dumps({"conversations": [{"from": s, "value": v} for s, v in conv]}) + "\n")
+    out = tmp_path / "regen"
+    base = ["--target", random_target_dir, "--out", str(out), "--source", str(path), "--max-new-tokens", "3",
+            "--dtype", "float32"]
+    main(base + ["--num-prompts", "2"])  # greedy answers to rows 0 and 1 only
+    # the random target answers with whitespace, which is no turn; give the greedy pass's rows text
+    part = out / "part-00000.jsonl"
+    greedy = [json.loads(line) for line in part.read_text().splitlines()]
+    for r in greedy:
+        r["conversations"][1]["value"] = f"own answer {r['source_row']}"
+    part.write_text("".join(json.dumps(r) + "\n" for r in greedy))
+    main(base + ["--temperature", "1.0", "--tag", "t10"])  # a sampled answer to every row
+    sampled = out / "part-t10-00000.jsonl"
+    rows = [json.loads(line) for line in sampled.read_text().splitlines()]
+    for r in rows:
+        r["conversations"][1]["value"] = f"sampled answer {r['source_row']}"
+    sampled.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SystemExit, match="--turn 2"):
+        main(base + ["--turn", "2"])
+    main(base + ["--turn", "2", "--tag", "turn2"])
+    greedy = {r["source_row"]: r["conversations"][1]["value"] for r in greedy}
+    rows = [json.loads(line) for line in (out / "part-turn2-00000.jsonl").read_text().splitlines()]
+    assert [r["source_row"] for r in rows] == [0, 1] and all(r["turn"] == 2 for r in rows)
+    tok = build_tokenizer(random_target_dir)
+    target = load_target(random_target_dir, dtype=torch.float32)
+    for row in rows:
+        i = row["source_row"]
+        history = [Turn("user", f"first {i}"), Turn("assistant", greedy[i]), Turn("user", f"second {i}")]
+        speakers = {"user": "human", "assistant": "gpt"}
+        assert row["conversations"][:3] == [{"from": speakers[t.role], "value": t.content} for t in history]
+        prompt = render_prompt(history, tok, "qwen3", enable_thinking=False)
+        want = greedy_decode(target, prompt, 3, stop_token_ids(tok, "qwen3"), torch.device("cpu")).tokens
+        assert row["conversations"][3] == {"from": "gpt", "value": tok.decode(want)}
+    settings = json.loads((out / "meta" / "settings-turn2-00000.json").read_text())
+    assert settings["turn"] == 2 and settings["answered"] == 2
+    assert settings["no_own_answer"] == 1 and settings["fewer_turns"] == 1  # row 2: sampled only; row 3
