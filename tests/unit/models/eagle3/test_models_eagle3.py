@@ -13,7 +13,8 @@ from models.common import dense_mask_from_mask_mod
 from models.eagle3 import Eagle3Draft, Eagle3Proposer, eagle3_capture_layers, eagle3_flavors
 from models.eagle3.export import eagle3_from_export, export_eagle3
 from models.eagle3.objective import ttt_mask_mod
-from models.eagle3.vocab import build_draft_vocab, count_loss_tokens, load_draft_vocab, save_draft_vocab
+from models.eagle3.vocab import (build_draft_vocab, count_loss_tokens, load_draft_vocab, save_draft_vocab,
+                                 unseen_coverage)
 from titan_draft.protocols import TargetFeatures
 
 V, VD, H, L = 97, 40, 32, 6
@@ -177,6 +178,21 @@ def test_draft_vocabulary(tmp_path):
     assert torch.equal(back[0], d2t) and torch.equal(back[1], t2d)
     with pytest.raises(ValueError, match=r"counted with data.source = 'a.jsonl', this job has 'b.jsonl'"):
         load_draft_vocab(path, {**origin, "data.source": "b.jsonl"})
+
+
+def test_unseen_coverage_counts_one_half_and_measures_the_other():
+    """Sample i is counted in half i % 2; the estimate is the share of the second half's loss
+    tokens that a vocabulary counted on the first half holds, computed here by hand."""
+    samples = [([1, 1, 2], [True, True, True]), ([2, 3, 3], [True, True, False]),
+               ([4, 1, 5], [True, True, True]), ([3, 3, 4], [True, True, True])]
+    halves = count_loss_tokens(samples, 8, parts=2, chunk_tokens=2)
+    assert halves[0].tolist() == [0, 3, 1, 0, 1, 1, 0, 0] and halves[1].tolist() == [0, 0, 1, 3, 1, 0, 0, 0]
+    assert torch.equal(halves.sum(0), count_loss_tokens(samples, 8))
+    # first half's top 2: 1 (3), then 2, 4 and 5 tie at 1 and the lower id wins: {1, 2}
+    # second half's 5 loss tokens: 2 once, 3 three times, 4 once -> only the 2 is covered
+    assert unseen_coverage(halves, 2) == pytest.approx(1 / 5)
+    assert unseen_coverage(halves, 8) == 1.0  # the whole vocabulary covers everything
+    assert math.isnan(unseen_coverage(torch.stack([halves[0], torch.zeros(8, dtype=torch.int64)]), 2))
 
 
 def test_export_round_trip_and_refusals():
