@@ -170,7 +170,7 @@ def _key(turns) -> tuple[tuple[str, str], ...]:
     return tuple((t.role, t.content) for t in turns)
 
 
-def own_answers(out: str, template: str, system_prompt: str) -> dict[tuple, str]:
+def own_answers(out: str, template: str, system_prompt: str, enable_thinking: bool) -> dict[tuple, str]:
     """The target's greedy answers already in ``out`` (any pass rendered like this one), by the
     turns they answer. A later turn is asked after these, not after the source's answers: those
     came from another model, and at serving time the history is the target's own. An answer cut
@@ -183,7 +183,8 @@ def own_answers(out: str, template: str, system_prompt: str) -> dict[tuple, str]
         with open(os.path.join(meta, name), encoding="utf-8") as f:
             settings = json.load(f)
         if (settings.get("temperature") != 0 or settings.get("chat_template") != template
-                or settings.get("system_prompt") != system_prompt):
+                or settings.get("system_prompt") != system_prompt
+                or settings.get("enable_thinking") != enable_thinking):
             continue
         part = os.path.join(out, "part-" + name[len("settings-"):-len(".json")] + ".jsonl")
         for _, line in _rows_of(part):
@@ -268,7 +269,8 @@ def main(argv=None) -> None:
         asked, repeats = distinct_prompts(split.rows)
         queries = [(i, first_query(split.rows[i])) for i in asked[rank::world]]
     else:
-        found, repeats, passed = later_prompts(split.rows, a.turn, own_answers(a.out, template, system_prompt))
+        history = own_answers(a.out, template, system_prompt, thinking)
+        found, repeats, passed = later_prompts(split.rows, a.turn, history)
         queries = found[rank::world]
         print(f"rank {rank}: turn {a.turn} of {len(found)} conversations ({passed['fewer_turns']} have fewer "
               f"turns, {passed['no_own_answer']} lack a greedy answer to an earlier turn)", flush=True)

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from scripts.regenerate_data import batch_order, generate, main
+from scripts.regenerate_data import batch_order, generate, main, own_answers
 from titan_draft import load_target
 from titan_draft.decoding.speculative import greedy_decode
 from titan_draft.data.chat.template import Turn
@@ -217,4 +217,8 @@ def test_a_later_turn_is_asked_after_the_targets_own_answers(tmp_path, random_ta
         assert row["conversations"][3] == {"from": "gpt", "value": tok.decode(want)}
     settings = json.loads((out / "meta" / "settings-turn2-00000.json").read_text())
     assert settings["turn"] == 2 and settings["answered"] == 2
+    # a history is only taken from passes rendered as this one is
+    fmt = (settings["chat_template"], settings["system_prompt"])
+    assert own_answers(str(out), *fmt, False)[(("user", "first 0"),)] == greedy[0]
+    assert own_answers(str(out), *fmt, True) == {} and own_answers(str(out), "chatml", fmt[1], False) == {}
     assert settings["no_own_answer"] == 1 and settings["fewer_turns"] == 1  # row 2: sampled only; row 3
