@@ -171,6 +171,13 @@ def _read_until(fd, marker: str, timeout=60.0) -> str:
 IN_A_TERMINAL = ["setsid", "--ctty"]
 
 
+def _hangup_as_in_a_terminal() -> None:
+    """A terminal's shell starts its jobs with SIGHUP at its default. A test run started under
+    nohup (or anything else that ignores SIGHUP) would hand the ignore down to run_train.sh, which
+    a shell can neither trap nor reset, and the hangup under test would never arrive."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def test_closing_the_terminal_stops_the_ranks_and_frees_the_lock(launcher):
     """run_train.sh in the foreground of a real terminal (a pty, its controlling terminal); the
     terminal closes (SIGHUP to the session): the ranks, in torchrun's own session, still get
@@ -179,7 +186,7 @@ def test_closing_the_terminal_stops_the_ranks_and_frees_the_lock(launcher):
     out = root.parent / "out"
     master, slave = os.openpty()
     proc = subprocess.Popen([*IN_A_TERMINAL, "./run_train.sh"], cwd=root, stdin=slave, stdout=slave, stderr=slave,
-                            env={**env, "FAKE_MODE": "serve"})
+                            env={**env, "FAKE_MODE": "serve"}, preexec_fn=_hangup_as_in_a_terminal)
     os.close(slave)
     try:
         _read_until(master, "rank: training")
@@ -269,7 +276,7 @@ def test_closing_the_terminal_of_a_real_run_saves_it(tmp_path, chat_jsonl, rando
     argv = job_args(dump, chat_jsonl, random_target_dir, "--training.steps", "500", "--checkpoint.interval", "1000")
     master, slave = os.openpty()
     proc = subprocess.Popen([*IN_A_TERMINAL, "./run_train.sh", *argv], cwd=REPO, stdin=slave, stdout=slave,
-                            stderr=slave,
+                            stderr=slave, preexec_fn=_hangup_as_in_a_terminal,
                             env={"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "PYTHONPATH": REPO,
                                  "NGPU": "1", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"})
     os.close(slave)
