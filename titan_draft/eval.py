@@ -20,8 +20,10 @@ import inspect
 import json
 import logging
 import sys
+import time
 import types
 import typing
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -198,6 +200,26 @@ def check_eval_target(a, recorded: dict | None, actual: dict) -> None:
     logger.warning(f"eval: {line}; evaluating anyway (--allow-target-mismatch)")
 
 
+def build_progress_line(started: float) -> Callable:
+    """``evaluate``'s progress: one line on stderr at every tenth of this rank's prompts and at its
+    last (all 80 MT-Bench questions in fp32 on a CPU take most of an hour); rank 0 only."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    whose = "" if world == 1 else " (rank 0's)"
+
+    def progress(reports: list, planned: int) -> None:
+        done = len(reports)
+        if (world > 1 and dist.get_rank() != 0) or (done % max(1, planned // 10) and done != planned):
+            return
+        rounds = sum(r.rounds for r in reports)
+        tau = sum(r.round_tokens for r in reports) / max(rounds, 1)
+        checked = [r.lossless for r in reports if r.lossless is not None]
+        lossless = f", lossless {sum(checked)}/{len(checked)}" if checked else ""
+        print(f"titan_draft.eval: {done}/{planned} prompts{whose} decoded, tau so far {tau:.3f} over {rounds} rounds"
+              f"{lossless}, {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+
+    return progress
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     a = _parse(sys.argv[1:] if argv is None else argv)
@@ -245,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     stop_ids = stop_token_ids(tokenizer, chat.template)
     report = evaluate(target, proposer, prompts, max_new_tokens=a.max_new_tokens, stop_ids=stop_ids, device=device,
                       check_lossless=not a.no_lossless_check, temperature=a.temperature, seed=a.seed,
-                      cuda_graphs=not a.no_cuda_graphs, greedy_cache=greedy[1] if greedy else None)
+                      cuda_graphs=not a.no_cuda_graphs, greedy_cache=greedy[1] if greedy else None,
+                      progress=build_progress_line(time.monotonic()))
     print(report.table())
     rounds = None
     if a.round_timing:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -209,7 +210,8 @@ def _prompt_report(prompt: EvalPrompt, spec, greedy, divergence: Divergence | No
 @torch.no_grad()
 def evaluate(target, proposer: Proposer, prompts: list[EvalPrompt], *, max_new_tokens: int,
              stop_ids, device: torch.device, check_lossless: bool = True, temperature: float = 0.0,
-             seed: int = 0, cuda_graphs: bool = True, greedy_cache: dict | None = None) -> EvalReport:
+             seed: int = 0, cuda_graphs: bool = True, greedy_cache: dict | None = None,
+             progress: Callable[[list[PromptReport], int], None] | None = None) -> EvalReport:
     """Speculative (and, with ``check_lossless``, plain) decoding of every prompt: greedy, or at
     ``temperature`` > 0 speculative sampling with prompt i's draws seeded ``seed + i`` (the plain
     run then only gives the speed to compare with).
@@ -219,12 +221,14 @@ def evaluate(target, proposer: Proposer, prompts: list[EvalPrompt], *, max_new_t
     target's decode steps replay as CUDA graphs where they can (``cuda_graphs.maybe_graphed``).
     ``greedy_cache`` (greedy only): plain decodes by prompt and length, filled by the first call and
     reused by the next; the target is frozen, so they would come out the same (training's evals
-    pay for them once; their speed is then the first eval's).
+    pay for them once; their speed is then the first eval's). ``progress(done, planned)``: called on
+    every rank after each of its prompts with its reports so far and how many it decodes in all.
     """
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     rank = dist.get_rank() if world > 1 else 0
     stepped = Lockstep(maybe_graphed(target, device, cuda_graphs), device)
     mine = []
+    planned = len(range(rank, len(prompts), world))
     for i in range(rank, len(prompts), world):
         p = prompts[i]
         rule = _rule(temperature, seed + i)
@@ -240,6 +244,8 @@ def evaluate(target, proposer: Proposer, prompts: list[EvalPrompt], *, max_new_t
             if rule is None:
                 divergence = compare(stepped, p.ids, greedy, spec, device)
         mine.append((i, _prompt_report(p, spec, greedy, divergence, sampled=rule is not None)))
+        if progress is not None:
+            progress([rep for _, rep in mine], planned)
     stepped.drain()
     if world > 1:
         gathered: list = [None] * world

@@ -1,7 +1,8 @@
 """``python -m titan_draft.eval --greedy-cache FILE``: a second eval takes its plain greedy decodes
 (tokens, margins, speed) from the file instead of decoding them, checks its draft against them, and
 a file made with another setting is decoded anew, never trusted. Also ``--round-timing N`` (the
-eval's other option for timing studies): its report, and the settings it refuses."""
+eval's other option for timing studies): its report, and the settings it refuses; and the progress
+lines a long eval prints as it goes."""
 
 from __future__ import annotations
 
@@ -112,3 +113,16 @@ def test_round_timing_refused_in_one_line(export_dir, random_target_dir, capsys,
         eval_main(["--target", random_target_dir, "--draft", export_dir, *EVAL, *extra])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"titan_draft.eval: error: {want}"
+
+
+def test_progress_lines_add_up_to_the_report(export_dir, random_target_dir, tmp_path, capsys):
+    """One line per prompt here (2 prompts: every tenth is every one); the last one's tau, rounds and
+    lossless count are the report's own."""
+    eval_main(["--target", random_target_dir, "--draft", export_dir, *EVAL, "--out", str(tmp_path / "p.json")])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "prompts decoded" in ln]
+    report = json.loads((tmp_path / "p.json").read_text())
+    s, first = report["summary"], report["prompts"][0]
+    assert len(lines) == 2 and lines[0].startswith("titan_draft.eval: 1/2 prompts decoded")
+    assert f"tau so far {first['round_tokens'] / first['rounds']:.3f} over {first['rounds']} rounds" in lines[0]
+    assert lines[1].startswith("titan_draft.eval: 2/2 prompts decoded")
+    assert f"tau so far {s['tau']:.3f} over {s['rounds']} rounds, lossless {s['lossless_prompts']}/2" in lines[1]
