@@ -235,6 +235,14 @@ def batch_order(todo: list, batch_size: int, window_batches: int = 16) -> list:
             for item in sorted(todo[s : s + window], key=lambda item: len(item[2]))]
 
 
+def rank_and_device(dtype: str) -> tuple[int, int, torch.device, torch.dtype]:
+    """This process's rank and world size (torchrun's, else 0 and 1), its device and the dtype the
+    target runs in (``dtype`` on a GPU; the CPU runs float32)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    return rank, world, device, getattr(torch, dtype) if device.type == "cuda" else torch.float32
+
+
 def main(argv=None) -> None:
     a = _parse(sys.argv[1:] if argv is None else argv)
     # checked before anything is loaded; a letter first, so tagged parts sort after the untagged
@@ -244,10 +252,7 @@ def main(argv=None) -> None:
     if a.turn < 1 or (a.turn > 1 and not a.tag):
         raise SystemExit(f"regenerate_data: error: --turn {a.turn}: 1, or a later turn with its own --tag "
                          "(its answers go beside the passes it reads its history from)")
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, a.dtype) if device.type == "cuda" else torch.float32
+    rank, world, device, dtype = rank_and_device(a.dtype)
     try:
         tokenizer = build_tokenizer(a.target)
         chat = resolve_chat_format(tokenizer, template=a.chat_template, system_prompt=a.system_prompt,

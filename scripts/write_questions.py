@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.regenerate_data import generate  # noqa: E402
+from scripts.regenerate_data import generate, rank_and_device  # noqa: E402
 from titan_draft.data.chat.format import resolve_chat_format  # noqa: E402
 from titan_draft.data.chat.prompts import mtbench_questions, stop_token_ids  # noqa: E402
 from titan_draft.data.chat.template import Turn, _render, check_template  # noqa: E402
@@ -134,10 +134,7 @@ def main(argv=None) -> None:
     if a.num_questions < 1 or a.batch_size < 1 or a.max_question_tokens < 1 or a.temperature <= 0:
         raise SystemExit("write_questions: error: --num-questions, --batch-size and --max-question-tokens must be "
                          ">= 1 and --temperature > 0 (greedy would write one question)")
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, a.dtype) if device.type == "cuda" else torch.float32
+    rank, world, device, dtype = rank_and_device(a.dtype)
     try:
         tokenizer = build_tokenizer(a.target)
         chat = resolve_chat_format(tokenizer, template=a.chat_template, system_prompt=a.system_prompt,
