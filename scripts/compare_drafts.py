@@ -79,8 +79,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="also decode greedily in this dtype for speculative against plain tokens/s")
     p.add_argument("--device", default="auto", help="eval device: auto, cpu, cuda")
     p.add_argument("--view", default="recipes", choices=["recipes", "equal-draft-tokens", "ablation"],
-                   help="recipes: each config as it is; equal-draft-tokens: DSpark and DFlash2 at equal "
-                        "drafted tokens per round (--drafted); ablation: each config as it is and once per "
+                   help="recipes: each config as it is; equal-draft-tokens: every draft at equal drafted "
+                        "tokens per round (--drafted; blocks sized, EAGLE-3's TTT unrolled to match); "
+                        "ablation: each config as it is and once per "
                         "--ablate value, one change at a time")
     p.add_argument("--ablate", action="append", default=[], metavar="KEY=V1[,V2...]",
                    help="a job-config key and the values the ablation view tries (repeatable), e.g. "

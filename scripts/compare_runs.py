@@ -23,9 +23,11 @@ OWN_KEYS = {"job.config_file", "job.dump_folder", "training.steps", "training.ep
             "metrics.enable_tensorboard", "eval.enable", "checkpoint.export"}
 # The data and target every draft must share.
 SHARED_KEYS = (("target", "path"), ("data", "source"), ("data", "holdout_rows"))
-# Equal drafted tokens per round: DSpark's block of b slots drafts b tokens, a DFlash2 block of b
-# slots drafts b - 1 (its slot 0 holds the anchor).
-BLOCK_SIZE_FOR_DRAFTED = {"dspark": lambda n: n, "dflash2": lambda n: n + 1}
+# Equal drafted tokens per round, n: the model arg that sets it and its value. DSpark's block of b
+# slots drafts b tokens, a DFlash2 block of b slots drafts b - 1 (its slot 0 holds the anchor),
+# EAGLE-3 drafts one token per step of its chain, trained to that depth by ttt_steps.
+ARG_FOR_DRAFTED = {"dspark": ("block_size", lambda n: n), "dflash2": ("block_size", lambda n: n + 1),
+                   "eagle3": ("ttt_steps", lambda n: n)}
 
 
 class CompareError(Exception):
@@ -141,13 +143,14 @@ def build_runs(a, extra: list[str], log: Callable[[str], None] = print, check: b
             variants += [(f"{stem}+{ablation_label(arm)}", [x for k, v in arm for x in (f"--{k}", v)])
                          for arm in a.ablate]
         elif a.view == "equal-draft-tokens":
-            if "model.args.block_size" in override_keys(extra):
-                raise CompareError("--model.args.block_size is set by the equal-draft-tokens view (see --drafted)")
-            rule = BLOCK_SIZE_FOR_DRAFTED.get(cfg.model.name)
-            if rule is None:
-                log(f"{stem}: left out of the equal-draft-tokens view (draft {cfg.model.name!r} has no block size)")
+            if cfg.model.name not in ARG_FOR_DRAFTED:
+                log(f"{stem}: left out of the equal-draft-tokens view (no setting of draft {cfg.model.name!r} "
+                    "is known to set its drafted tokens)")
                 continue
-            variants = [(f"{stem}-drafted{n}", ["--model.args.block_size", str(rule(n))]) for n in a.drafted]
+            arg, rule = ARG_FOR_DRAFTED[cfg.model.name]
+            if f"model.args.{arg}" in override_keys(extra):
+                raise CompareError(f"--model.args.{arg} is set by the equal-draft-tokens view (see --drafted)")
+            variants = [(f"{stem}-drafted{n}", [f"--model.args.{arg}", str(rule(n))]) for n in a.drafted]
         for label, view_args in variants:
             argv = base + view_args + shared + extra
             runs.append({"label": label, "config": config, "view_args": view_args, "argv": argv,

@@ -221,7 +221,7 @@ def evaluate(target, proposer: Proposer, prompts: list[EvalPrompt], *, max_new_t
     target's decode steps replay as CUDA graphs where they can (``cuda_graphs.maybe_graphed``).
     ``greedy_cache`` (greedy only): plain decodes by prompt and length, filled by the first call and
     reused by the next; the target is frozen, so they would come out the same (training's evals
-    pay for them once; their speed is then the first eval's). ``progress(done, planned)``: called on
+    pay for them once; their speed is then the first eval's). ``progress(reports, planned)``: called on
     every rank after each of its prompts with its reports so far and how many it decodes in all.
     """
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

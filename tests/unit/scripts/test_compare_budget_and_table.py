@@ -146,15 +146,16 @@ def job(random_target_dir, chat_jsonl) -> list[str]:
     return ["--target", random_target_dir, "--data", chat_jsonl]
 
 
-def test_equal_draft_tokens_view_sets_the_block_sizes_of_equal_drafted_tokens(job):
+def test_equal_draft_tokens_view_sets_each_drafts_own_setting_of_equal_drafted_tokens(job):
     configs = ",".join(os.path.join(REPO, "train_configs", n) for n in
                        ("debug_random.toml", "dspark_debug.toml", "eagle3_debug.toml"))
     a, extra = compare_drafts.parse_args(["--minutes", "1", "--configs", configs, "--view", "equal-draft-tokens", *job])
     runs = {r["label"]: r["cfg"] for r in compare_runs.build_runs(a, extra, print)}
-    assert {k: v.model.args["block_size"] for k, v in runs.items()} == {
+    assert {k: v.model.args.get("block_size", v.model.args.get("ttt_steps")) for k, v in runs.items()} == {
         "debug_random-drafted7": 8, "debug_random-drafted15": 16,
-        "dspark_debug-drafted7": 7, "dspark_debug-drafted15": 15}
-    # each block size drafts the view's tokens per round, as the draft's own proposer counts them
+        "dspark_debug-drafted7": 7, "dspark_debug-drafted15": 15,
+        "eagle3_debug-drafted7": 7, "eagle3_debug-drafted15": 15}
+    # each setting drafts the view's tokens per round, as the draft's own proposer counts them
     for label, cfg in runs.items():
         spec = get_model_spec(cfg.model.name)
         args = dataclasses.replace(spec.flavors[cfg.model.flavor], **cfg.model.args, vocab_size=256,
@@ -163,6 +164,11 @@ def test_equal_draft_tokens_view_sets_the_block_sizes_of_equal_drafted_tokens(jo
             draft = spec.model_cls(args)
         draft.load_frozen_tables(torch.randn(256, args.hidden_size), torch.randn(256, args.hidden_size))
         assert spec.build_proposer_fn(draft.eval()).num_draft_tokens == int(label.rsplit("drafted", 1)[1]), label
+    for key in ("block_size", "ttt_steps"):  # the view's own settings are not overridden
+        a, extra = compare_drafts.parse_args(["--minutes", "1", "--configs", configs, "--view", "equal-draft-tokens",
+                                              *job, f"--model.args.{key}", "3"])
+        with pytest.raises(compare_runs.CompareError, match=f"--model.args.{key} is set by the equal-draft-tokens"):
+            compare_runs.build_runs(a, extra, print)
 
 
 @pytest.mark.parametrize("extra, expect", [
