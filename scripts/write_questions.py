@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.regenerate_data import generate, rank_and_device  # noqa: E402
+from scripts.regenerate_data import _rewrite, generate, rank_and_device  # noqa: E402
 from titan_draft.data.chat.format import resolve_chat_format  # noqa: E402
 from titan_draft.data.chat.prompts import mtbench_questions, stop_token_ids  # noqa: E402
 from titan_draft.data.chat.template import Turn, _render, check_template  # noqa: E402
@@ -92,9 +92,9 @@ def _lines(path: str) -> list[str]:
         return [line for line in f if line.endswith("\n")]
 
 
-def resume(part: str, log: str) -> tuple[dict, set[int]]:
-    """The counts and the batches of an earlier run: a batch is done when its record is in
-    ``log`` (written after its rows); rows of a batch without one are removed, to be sampled again."""
+def resume(part: str, log: str) -> tuple[dict, set[int], list[str]]:
+    """The counts, the batches and the rows of an earlier run: a batch is done when its record is
+    in ``log`` (written after its rows); rows of a batch without one are removed, to be sampled again."""
     records = []
     for line in _lines(log):
         try:
@@ -104,11 +104,9 @@ def resume(part: str, log: str) -> tuple[dict, set[int]]:
     done = {r["batch"] for r in records}
     kept = [line for line in _lines(part) if json.loads(line)["batch"] in done]
     for path, lines in ((part, kept), (log, [json.dumps(r) + "\n" for r in records])):
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            f.writelines(lines)
-        os.replace(path + ".tmp", path)
+        _rewrite(path, list(enumerate(lines)))  # in their order, never half a file
     counts = {k: sum(r[k] for r in records) for k in ("sampled", "written", *DROPPED)}
-    return counts, done
+    return counts, done, kept
 
 
 def _parse(argv):
@@ -157,14 +155,14 @@ def main(argv=None) -> None:
     if os.path.exists(settings_file):  # resuming: the batches already written must be the same kind
         with open(settings_file) as f:
             before = {k: v for k, v in json.load(f).items() if k in settings}
-        changed = [f"{k} {before[k]!r} -> {settings[k]!r}" for k in settings if before.get(k) != settings[k]]
+        changed = [f"{k} {before.get(k)!r} -> {settings[k]!r}" for k in settings if before.get(k) != settings[k]]
         if changed:
             raise SystemExit(f"write_questions: error: {a.out} holds questions written with other settings "
                              f"({'; '.join(changed)}): use another --out")
     with open(settings_file, "w") as f:
         json.dump(settings, f, indent=2)
-    counts, done = resume(part, log)
-    seen = {json.loads(line)["conversations"][0]["value"] for line in _lines(part)}
+    counts, done, kept = resume(part, log)
+    seen = {json.loads(line)["conversations"][0]["value"] for line in kept}
     num_batches = -(-a.num_questions // a.batch_size)
     start = time.perf_counter()
     for b in range(rank, num_batches, world):
