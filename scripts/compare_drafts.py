@@ -32,13 +32,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # runnable from a checkout without an install
@@ -59,7 +56,18 @@ from scripts.compare_report import (
     speed_source,
     write_table,
 )
-from scripts.compare_runs import DEFAULT_CONFIGS, CompareError, build_runs, own_args, parse_ablations
+from scripts.compare_jobs import (
+    LOG_PATH,
+    Interrupted,
+    changed_settings,
+    differing_keys,
+    last_line,
+    log_line,
+    read_json,
+    run_logged,
+    write_json,
+)
+from scripts.compare_runs import DEFAULT_CONFIGS, CompareError, build_runs, own_args, parse_ablations, parse_seeds
 from titan_draft.checkpoint.export import exported_step
 
 
@@ -87,6 +95,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="a job-config key and the values the ablation view tries (repeatable), e.g. "
                         "model.args.markov_rank=64,512 or data.packing=true; KEY=V+KEY2=V2 is one job "
                         "that changes both keys, e.g. model.args.ce_loss_weight=1.0+model.args.l1_loss_weight=0")
+    p.add_argument("--training-seeds", default=None, metavar="S1,S2[,...]",
+                   help="train each draft of the view once per training.seed (the same steps, one calibration); "
+                        "the table then orders two drafts only where every pairing of their seeds is established")
     p.add_argument("--drafted", default="7,15", help="drafted tokens per round of the equal-draft-tokens view")
     p.add_argument("--calibration-steps", type=int, default=60)
     p.add_argument("--calibration-warmup", type=int, default=10, help="leading calibration steps left out of the median")
@@ -106,61 +117,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     except ValueError as e:
         raise CompareError(f"--temperatures / --drafted: {e}") from None
     a.ablate = parse_ablations(a.ablate, a.view)
+    a.training_seeds = parse_seeds(a.training_seeds)
     if any(t < 0 for t in a.temperatures) or any(n < 1 for n in a.drafted):
         raise CompareError("--temperatures must be >= 0 and --drafted >= 1")
     return a, extra
-
-
-# ---- running and logging ----
-
-LOG_PATH: list[str] = []  # <out>/compare.log once the out folder is known
-
-
-def _log(line: str) -> None:
-    line = f"[{datetime.datetime.now():%H:%M:%S}] {line}"
-    print(line, flush=True)
-    if LOG_PATH:
-        with open(LOG_PATH[0], "a") as f:
-            f.write(line + "\n")
-
-
-class Interrupted(CompareError):
-    """Ctrl-C during a job; ``wall_s``: how long the job ran."""
-
-    def __init__(self, wall_s: float):
-        super().__init__("interrupted: the running job stopped (a training job saves a checkpoint first); run the "
-                         "same command again to continue", status=130)
-        self.wall_s = wall_s
-
-
-def run_logged(cmd: list[str], log_path: str, env_extra: dict | None = None) -> tuple[int, float]:
-    """Run ``cmd`` from the repository root, its output appended to ``log_path``; (exit status,
-    wall seconds). Ctrl-C reaches the job too (same process group): it saves and exits, and this
-    waits for that instead of killing it mid-save, then raises :class:`Interrupted`."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
-           **(env_extra or {})}
-    with open(log_path, "a") as log:
-        log.write(f"$ {shlex.join(cmd)}\n")
-        log.flush()
-        start = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        interrupted = False
-        while True:
-            try:
-                rc = proc.wait()
-                break
-            except KeyboardInterrupt:  # the job has the signal too (a second one: it stops at once)
-                interrupted = True
-    wall = time.monotonic() - start
-    if interrupted:
-        raise Interrupted(wall)
-    return rc, wall
-
-
-def _last_line(log_path: str) -> str:
-    with open(log_path, errors="replace") as f:
-        lines = [line.strip() for line in f if line.strip()]
-    return lines[-1] if lines else "(no output)"
 
 
 def train_command(a, argv: list[str], dump: str, steps: int, extra: list[str]) -> tuple[list[str], dict]:
@@ -175,33 +135,6 @@ def train_command(a, argv: list[str], dump: str, steps: int, extra: list[str]) -
     return [os.path.join(REPO, "run_train.sh"), *job], {**env, "NGPU": os.environ.get("NGPU", "1")}
 
 
-def _read_json(path: str) -> dict | None:
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def _write_json(path: str, value: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=2)
-    os.replace(tmp, path)  # a stage's record is whole or absent
-
-
-def changed_settings(path: str, settings: dict) -> list[str]:
-    """The keys in which ``settings`` differ from those recorded at ``path`` (recorded if none are)."""
-    old = _read_json(path)
-    if old is None:
-        _write_json(path, settings)
-        return []
-    return _differing_keys(old, settings)
-
-
-def _differing_keys(old: dict, new: dict) -> list[str]:
-    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-
-
 def wanted_reports(a) -> list[tuple[float, str]]:
     """The (temperature, dtype) evals of the comparison: fp32 at each temperature, and the speed run."""
     wanted = [(t, "float32") for t in a.temperatures]
@@ -214,28 +147,28 @@ def wanted_reports(a) -> list[tuple[float, str]]:
 
 def calibrate(a, run: dict, folder: str) -> dict:
     path = os.path.join(folder, "calibration.json")
-    if (done := _read_json(path)) is not None:
-        _log(f"{run['label']}: calibration already done ({path})")
+    if (done := read_json(path)) is not None:
+        log_line(f"{run['label']}: calibration already done ({path})")
         return done
     dump = os.path.join(folder, "calibration")
     for old in (dump, dump + ".compile"):  # always a fresh job: a resumed or warm one would time differently
         shutil.rmtree(old, ignore_errors=True)
     log = os.path.join(folder, "calibration.log")
-    _log(f"{run['label']}: calibration, {a.calibration_steps} steps (log {log})")
+    log_line(f"{run['label']}: calibration, {a.calibration_steps} steps (log {log})")
     save_step = calibration_save_step(a.calibration_steps, a.calibration_warmup) if run["cfg"].checkpoint.enable else None
     extra = ["--metrics.log_freq", "1"] + ([] if save_step is None else ["--checkpoint.interval", str(save_step)])
     cmd, env = train_command(a, run["argv"], dump, a.calibration_steps, extra)
     rc, wall = run_logged(cmd, log, env)
     if rc != 0 or exported_step(os.path.join(dump, run["cfg"].checkpoint.export_folder)) != a.calibration_steps:
-        raise CompareError(f"{run['label']}: the calibration job failed (exit {rc}; {log}): {_last_line(log)}", 1)
+        raise CompareError(f"{run['label']}: the calibration job failed (exit {rc}; {log}): {last_line(log)}", 1)
     try:
         metrics = read_run_metrics(os.path.join(dump, run["cfg"].metrics.save_tb_folder, "run"))
         calibration = build_calibration(metrics, a.calibration_steps, a.calibration_warmup, wall,
                                         save_step).to_json()
     except BudgetError as e:
         raise CompareError(f"{run['label']}: calibration: {e}", 1) from None
-    _write_json(path, calibration)
-    _log(f"{run['label']}: calibration {wall:.1f} s, median step {1e3 * calibration['median_step_s']:.1f} ms, "
+    write_json(path, calibration)
+    log_line(f"{run['label']}: calibration {wall:.1f} s, median step {1e3 * calibration['median_step_s']:.1f} ms, "
          f"setup {calibration['setup_s']:.1f} s, a checkpoint save {calibration['save_s']:.2f} s")
     return calibration
 
@@ -248,14 +181,14 @@ def plan(a, run: dict, folder: str, calibration: dict) -> int:
     cal = Calibration.from_json(calibration)
     steps = choose_steps(run["label"], 60 * a.minutes, cal, a.margin, interval)
     path = os.path.join(folder, "plan.json")
-    old = _read_json(path)
+    old = read_json(path)
     new = {"budget_s": 60 * a.minutes, "margin": a.margin, "steps": steps, "save_interval": interval,
            "predicted_job_s": cal.job_s(steps, interval), "calibration": calibration}
     if old is not None and old != new and os.path.isdir(os.path.join(folder, "run")):
         raise CompareError(f"{run['label']}: {folder}/run was started for {old['budget_s'] / 60:g} min with margin "
                            f"{old['margin']:g} ({old['steps']} steps), not {a.minutes:g} min with margin {a.margin:g}: "
                            f"give another --out, or delete {folder}/run and {folder}/train.json to train again")
-    _write_json(path, new)
+    write_json(path, new)
     return steps
 
 
@@ -263,32 +196,32 @@ def train(a, run: dict, folder: str, steps: int) -> None:
     dump = os.path.join(folder, "run")
     export = os.path.join(dump, run["cfg"].checkpoint.export_folder)
     record = os.path.join(folder, "train.json")
-    if _read_json(record) is not None and exported_step(export) == steps:
-        _log(f"{run['label']}: training already done ({record})")
+    if read_json(record) is not None and exported_step(export) == steps:
+        log_line(f"{run['label']}: training already done ({record})")
         return
     attempts_path = os.path.join(folder, "train_attempts.json")
-    attempts = (_read_json(attempts_path) or {}).get("wall_s", [])
+    attempts = (read_json(attempts_path) or {}).get("wall_s", [])
     if not os.path.isdir(os.path.join(dump, run["cfg"].checkpoint.folder)):
         attempts = []  # nothing to resume from: this job starts over, and so does its wall clock
     log = os.path.join(folder, "train.log")
     if exported_step(export) == steps and attempts:
-        _log(f"{run['label']}: the training job had finished ({export}); reading its record")
+        log_line(f"{run['label']}: the training job had finished ({export}); reading its record")
     else:
-        _log(f"{run['label']}: training, {steps} steps" + (f", attempt {len(attempts) + 1}" if attempts else "")
+        log_line(f"{run['label']}: training, {steps} steps" + (f", attempt {len(attempts) + 1}" if attempts else "")
              + f" (log {log})")
         cmd, env = train_command(a, run["argv"], dump, steps, [])
         try:
             rc, wall = run_logged(cmd, log, env)
         except Interrupted as e:  # its time counts: the resumed job goes on from its checkpoint
-            _write_json(attempts_path, {"wall_s": [*attempts, e.wall_s]})
+            write_json(attempts_path, {"wall_s": [*attempts, e.wall_s]})
             raise
         attempts.append(wall)
-        _write_json(attempts_path, {"wall_s": attempts})
+        write_json(attempts_path, {"wall_s": attempts})
         if rc != 0:
-            raise CompareError(f"{run['label']}: the training job failed (exit {rc}; {log}): {_last_line(log)}", 1)
+            raise CompareError(f"{run['label']}: the training job failed (exit {rc}; {log}): {last_line(log)}", 1)
         if exported_step(export) != steps:
             raise CompareError(f"{run['label']}: the training job stopped before step {steps} ({log}: "
-                               f"{_last_line(log)}); run the same command again to resume", 1)
+                               f"{last_line(log)}); run the same command again to resume", 1)
     try:
         metrics = read_run_metrics(os.path.join(dump, run["cfg"].metrics.save_tb_folder, "run"))
         summary = summarize_run(metrics, steps, sum(attempts), len(attempts))
@@ -297,8 +230,8 @@ def train(a, run: dict, folder: str, steps: int) -> None:
     for name in os.listdir(folder):  # a new training makes the reports of an earlier one stale
         if name.startswith("eval_t") and name.endswith(".json"):
             os.remove(os.path.join(folder, name))
-    _write_json(record, summary)
-    _log(f"{run['label']}: trained {steps} steps in {summary['wall_s'] / 60:.2f} min "
+    write_json(record, summary)
+    log_line(f"{run['label']}: trained {steps} steps in {summary['wall_s'] / 60:.2f} min "
          f"(budget {a.minutes:g}), median step {summary['median_step_ms']:.1f} ms")
 
 
@@ -310,16 +243,16 @@ def evaluate(a, run: dict, folder: str) -> None:
         for name in os.listdir(folder):
             if name.startswith("eval_t") and name.endswith(".json"):
                 os.remove(os.path.join(folder, name))
-        _log(f"{run['label']}: its eval reports were made with another {', '.join(changed)}: evaluating again")
-        _write_json(os.path.join(folder, "eval_settings.json"), settings)
+        log_line(f"{run['label']}: its eval reports were made with another {', '.join(changed)}: evaluating again")
+        write_json(os.path.join(folder, "eval_settings.json"), settings)
     export = os.path.join(folder, "run", run["cfg"].checkpoint.export_folder)
     for temperature, dtype in wanted_reports(a):
         out = os.path.join(folder, eval_report_name(temperature, dtype))
         if os.path.isfile(out):
-            _log(f"{run['label']}: eval T={temperature:g} {dtype} already done ({out})")
+            log_line(f"{run['label']}: eval T={temperature:g} {dtype} already done ({out})")
             continue
         log = os.path.join(folder, "eval.log")
-        _log(f"{run['label']}: eval T={temperature:g} {dtype} (log {log})")
+        log_line(f"{run['label']}: eval T={temperature:g} {dtype} (log {log})")
         cmd = [sys.executable, "-m", "titan_draft.eval", "--target", settings["target"], "--draft", export,
                "--prompts", a.prompts, "--num-prompts", str(a.num_prompts), "--max-new-tokens",
                str(a.max_new_tokens), "--dtype", dtype, "--temperature", f"{temperature:g}", "--seed",
@@ -330,23 +263,23 @@ def evaluate(a, run: dict, folder: str) -> None:
             cmd += ["--greedy-cache", os.path.join(a.out, f"greedy_{dtype}.json")]
         rc, _ = run_logged(cmd, log)
         if rc != 0 or not os.path.isfile(out):
-            raise CompareError(f"{run['label']}: the eval failed (exit {rc}; {log}): {_last_line(log)}", 1)
+            raise CompareError(f"{run['label']}: the eval failed (exit {rc}; {log}): {last_line(log)}", 1)
 
 
 def check_records(a, run: dict, folder: str, settings: dict) -> None:
     """--report-only: refuse records of another comparison, log the stages that have none."""
-    recorded = _read_json(os.path.join(folder, "settings.json"))
+    recorded = read_json(os.path.join(folder, "settings.json"))
     if recorded is not None and recorded != settings:
-        changed = ", ".join(_differing_keys(recorded, settings))
+        changed = ", ".join(differing_keys(recorded, settings))
         raise CompareError(f"{folder} holds a comparison made with another {changed}: the table would mix two comparisons")
-    plan_record = _read_json(os.path.join(folder, "plan.json"))
+    plan_record = read_json(os.path.join(folder, "plan.json"))
     if plan_record is not None and (plan_record["budget_s"], plan_record["margin"]) != (60 * a.minutes, a.margin):
         raise CompareError(f"{folder} was planned for {plan_record['budget_s'] / 60:g} min with margin "
                            f"{plan_record['margin']:g}, not {a.minutes:g} min with margin {a.margin:g}")
     wanted = ["train.json", *(eval_report_name(*r) for r in wanted_reports(a))]
     missing = [name for name in wanted if not os.path.isfile(os.path.join(folder, name))]
     if missing:
-        _log(f"{run['label']}: no {', '.join(missing)} in {folder}: those cells stay empty")
+        log_line(f"{run['label']}: no {', '.join(missing)} in {folder}: those cells stay empty")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,17 +288,18 @@ def main(argv: list[str] | None = None) -> int:
         out = os.path.abspath(a.out)
         os.makedirs(out, exist_ok=True)
         LOG_PATH[:] = [os.path.join(out, "compare.log")]
-        _log(f"compare: {shlex.join(sys.argv if argv is None else ['compare_drafts.py', *argv])}")
-        runs = build_runs(a, extra, _log, check=not a.report_only)
+        log_line(f"compare: {shlex.join(sys.argv if argv is None else ['compare_drafts.py', *argv])}")
+        runs = build_runs(a, extra, log_line, check=not a.report_only)
         meta = {"view": a.view, "minutes": a.minutes, "margin": a.margin, "calibration_steps": a.calibration_steps,
                 "prompts": a.prompts if not a.num_prompts else f"{a.prompts} (first {a.num_prompts})",
                 "max_new_tokens": a.max_new_tokens, "temperatures": a.temperatures, "seed": a.seed,
-                "speed_dtype": a.speed_dtype, "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}",
+                "speed_dtype": a.speed_dtype, "training_seeds": a.training_seeds, "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}",
                 "overrides": extra, "command": shlex.join(["python", "scripts/compare_drafts.py", *(
                     sys.argv[1:] if argv is None else argv)])}
-        rows = []
+        rows, calibrated_by = [], {}
         for run in runs:
             folder = os.path.join(out, run["label"])
+            cal_run = calibrated_by.setdefault(run["group"], run)  # a draft's seeds train the same steps
             settings = {"argv": run["argv"], "launcher": a.launcher, "calibration_steps": a.calibration_steps,
                         "calibration_warmup": a.calibration_warmup}
             if a.report_only:
@@ -376,15 +310,16 @@ def main(argv: list[str] | None = None) -> int:
                 if changed:
                     raise CompareError(f"{folder} holds a comparison made with another {', '.join(changed)}: give "
                                        "another --out, or delete that folder to start it again")
-                calibration = calibrate(a, run, folder)
+                calibration = calibrate(a, cal_run, os.path.join(out, cal_run["label"]))
                 steps = plan(a, run, folder, calibration)
                 train(a, run, folder, steps)
                 evaluate(a, run, folder)
             info = {"draft": run["cfg"].model.name, "config": os.path.relpath(run["config"], REPO),
-                    "view_overrides": run["view_args"], "budget_min": a.minutes}
+                    "view_overrides": run["view_args"], "budget_min": a.minutes, "group": run["group"],
+                    "training_seed": run["seed"]}
             rows.append(build_row(folder, run["label"], info, a.temperatures, a.speed_dtype))
             md, js = write_table(out, rows, meta)
-        _log(f"compare: done. Table: {md} ({js})")
+        log_line(f"compare: done. Table: {md} ({js})")
         return 0
     except (CompareError, BudgetError) as e:
         print(f"compare_drafts: error: {e}", file=sys.stderr)

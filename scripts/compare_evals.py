@@ -32,7 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.compare_report import format_positions  # noqa: E402
+from scripts.compare_report import format_difference, format_positions, render_across_seeds  # noqa: E402
 from titan_draft.decoding.tau_interval import (  # noqa: E402
     PromptMismatch,
     across_seeds,
@@ -158,36 +158,12 @@ def compare_across_seeds(reports: dict[str, dict[str, dict]], spec: str) -> list
         lambda t: across_seeds(*([reports[x][t]["prompts"] for x in arm] for arm in arms)))
 
 
-def render_across_seeds(entries: list[dict]) -> str:
-    lines = ["| T | A (seeds) | B (seeds) | τ A, mean (range) | τ B, mean (range) | mean A − mean B (95 %, prompts) "
-             "| pairings established |", "|" + " --- |" * 7]
-    for e in entries:
-        head = f"| {e['temperature']} | {' + '.join(e['a'])} | {' + '.join(e['b'])} |"
-        if "not_paired" in e:
-            lines.append(f"{head} – | – | not paired: {e['not_paired']} | – |")
-            continue
-        verdict = f"{e['established_pairings']} of {len(e['pairings'])}"
-        verdict += ", order established" if e["established"] else ""
-        lines.append(f"{head} {e['tau_a']:.3f} ({e['spread_a']:.3f}) | {e['tau_b']:.3f} ({e['spread_b']:.3f}) | "
-                     f"{_difference(e['mean'])} | {verdict} |")
-    return "\n".join(lines) + "\n"
-
-
 def render_diff_in_diff(entries: list[dict]) -> str:
     lines = ["| T | (τ A1 − τ A0) − (τ B1 − τ B0) | value (95 % interval) |", "| --- | --- | --- |"]
     for e in entries:
         a1, a0, b1, b0 = e["labels"]
-        lines.append(f"| {e['temperature']} | ({a1} − {a0}) − ({b1} − {b0}) | {_difference(e)} |")
+        lines.append(f"| {e['temperature']} | ({a1} − {a0}) − ({b1} − {b0}) | {format_difference(e)} |")
     return "\n".join(lines) + "\n"
-
-
-def _difference(d: dict | None) -> str:
-    if d is None:
-        return "–"
-    if "not_paired" in d:
-        return f"not paired: {d['not_paired']}"
-    return (f"{d['difference']:+.3f} ({d['low']:+.3f} to {d['high']:+.3f})"
-            + (", established" if d["established"] else ""))
 
 
 def render(table: dict) -> str:
@@ -204,7 +180,7 @@ def render(table: dict) -> str:
             e = row["evals"].get(t)
             iv = e["interval"] if e else None
             cells += [f"{iv['tau']:.3f} ({iv['low']:.3f} to {iv['high']:.3f})" if iv else "–",
-                      "reference" if row["label"] == ref and e else _difference((e or {}).get("vs_reference"))]
+                      "reference" if row["label"] == ref and e else format_difference((e or {}).get("vs_reference"))]
         first, zero = row["evals"].get(temps[0]), row["evals"].get("0")
         cells += [format_positions(first["accept_rate"]) if first else "–", (zero or {}).get("lossless") or "–"]
         lines.append("| " + " | ".join(cells) + " |")

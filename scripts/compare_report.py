@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from titan_draft.decoding.tau_interval import PromptMismatch, paired_difference, tau_interval
+from titan_draft.decoding.tau_interval import PromptMismatch, across_seeds, paired_difference, tau_interval
 
 SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
 POSITIONS_SHOWN = 8
@@ -94,9 +94,17 @@ def format_positions(rates: list[float]) -> str:
     return " / ".join(f"{r:.2f}" for r in shown) + (" / …" if len(rates) > POSITIONS_SHOWN else "")
 
 
-def render_markdown(rows: list[dict], meta: dict, pairs: list[dict] | None = None) -> str:
-    """The table as markdown, headed by what was compared and how; ``pairs``: the
-    :func:`paired_comparisons` of ``rows`` where the caller has them."""
+def comparisons(rows: list[dict], meta: dict) -> tuple[list[dict], list[dict]]:
+    """(single runs paired, drafts across their training seeds): the first for a comparison of one
+    run a draft, the second where ``meta`` names several training seeds."""
+    if meta.get("training_seeds"):
+        return [], seed_comparisons(rows, meta["view"])
+    return paired_comparisons(rows, meta["view"]), []
+
+
+def render_markdown(rows: list[dict], meta: dict, compared: tuple[list[dict], list[dict]] | None = None) -> str:
+    """The table as markdown, headed by what was compared and how; ``compared``: the
+    :func:`comparisons` of ``rows`` where the caller has them."""
     temps = [f"{t:g}" for t in meta["temperatures"]]
     first = "0" if "0" in temps else temps[0]
     speed = speed_source(meta["temperatures"], meta.get("speed_dtype"))
@@ -108,7 +116,9 @@ def render_markdown(rows: list[dict], meta: dict, pairs: list[dict] | None = Non
              (f"Each draft trained for the same wall-clock budget ({meta['minutes']:g} min a job, start to exit, "
               f"setup and compile included), steps chosen from a {meta['calibration_steps']}-step calibration job; "
               f"then decoded on {meta['prompts']} ({meta['max_new_tokens']} new tokens) in fp32 at "
-              f"T = {', '.join(temps)} (sampling seed {meta['seed']}). Date {meta['date']}."), "",
+              f"T = {', '.join(temps)} (sampling seed {meta['seed']}). Date {meta['date']}."
+              + (f" Each draft trained once per training seed ({', '.join(map(str, meta['training_seeds']))}), "
+                 "every seed the same steps." if meta.get("training_seeds") else "")), "",
              f"Command: `{meta.get('command', '')}`", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     # tau at T > 0 is the papers' figure only when the drafts were drawn from their own q
@@ -136,7 +146,15 @@ def render_markdown(rows: list[dict], meta: dict, pairs: list[dict] | None = Non
     resumed = [f"{r['label']} ({r['attempts']})" for r in rows if (r.get("attempts") or 1) > 1]
     if resumed:
         lines += ["", f"Trained in several attempts (training min sums them): {', '.join(resumed)}."]
-    lines += render_intervals(rows, meta, paired_comparisons(rows, meta["view"]) if pairs is None else pairs)
+    pairs, across = comparisons(rows, meta) if compared is None else compared
+    lines += render_intervals(rows, meta, pairs)
+    if across:
+        lines += ["", "## Across training seeds", "",
+                  ("Each draft's seeds against another's: the mean τ of its seeds and their range, the difference of "
+                   "the means with its prompt interval, and how many pairings of an A seed with a B seed the prompts "
+                   "establish. A second training run can move τ by more than the prompts' interval holds, so the order "
+                   "is established only where every pairing is, on the same side."), "",
+                  render_across_seeds(across).rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -166,6 +184,65 @@ def paired_comparisons(rows: list[dict], view: str) -> list[dict]:
                 entry["not_paired"] = str(e)
             out.append(entry)
     return out
+
+
+def _group(row: dict) -> str:
+    return row.get("group") or row["label"]
+
+
+def seed_comparisons(rows: list[dict], view: str) -> list[dict]:
+    """The drafts trained with several seeds (rows sharing a ``group``), compared as
+    :func:`paired_comparisons` compares single runs (each changed setting against its recipe in the
+    ablation view, otherwise each draft against those below it in mean tau), but with the order
+    called only where every pairing of the two drafts' seeds is established on the prompts: the
+    prompt bootstrap does not see how far a second training run moves tau."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(_group(r), []).append(r)
+    out = []
+    for t in sorted({t for r in rows for t in r["evals"]}, key=float):
+        have = {g: rs for g, rs in groups.items() if all((r["evals"].get(t) or {}).get("per_prompt") for r in rs)}
+        if view == "ablation":
+            pairs = [(g, _group(b)) for g, rs in have.items()
+                     if (b := _baseline(rows, rs[0])) is not None and _group(b) in have and _group(b) != g]
+        else:
+            mean = {g: sum(r["evals"][t]["tau"] for r in rs) / len(rs) for g, rs in have.items()}
+            ranked = sorted(have, key=lambda g: -mean[g])
+            pairs = [(x, y) for i, x in enumerate(ranked) for y in ranked[i + 1:]]
+        for ga, gb in pairs:
+            entry = {"temperature": t, "a": [r["label"] for r in have[ga]], "b": [r["label"] for r in have[gb]]}
+            try:
+                entry.update(across_seeds(*([r["evals"][t]["per_prompt"] for r in have[g]] for g in (ga, gb))))
+            except PromptMismatch as e:
+                entry["not_paired"] = str(e)
+            out.append(entry)
+    return out
+
+
+def format_difference(d: dict | None) -> str:
+    """'+0.012 (-0.003 to +0.027)', ', established' where the interval excludes 0."""
+    if d is None:
+        return "–"
+    if "not_paired" in d:
+        return f"not paired: {d['not_paired']}"
+    return (f"{d['difference']:+.3f} ({d['low']:+.3f} to {d['high']:+.3f})"
+            + (", established" if d["established"] else ""))
+
+
+def render_across_seeds(entries: list[dict]) -> str:
+    """Markdown: one line per :func:`seed_comparisons` entry (or compare_evals' --across-seeds)."""
+    lines = ["| T | A (seeds) | B (seeds) | τ A, mean (range) | τ B, mean (range) | mean A − mean B (95 %, prompts) "
+             "| pairings established |", "|" + " --- |" * 7]
+    for e in entries:
+        head = f"| {e['temperature']} | {' + '.join(e['a'])} | {' + '.join(e['b'])} |"
+        if "not_paired" in e:
+            lines.append(f"{head} – | – | not paired: {e['not_paired']} | – |")
+            continue
+        verdict = f"{e['established_pairings']} of {len(e['pairings'])}"
+        verdict += ", order established" if e["established"] else ""
+        lines.append(f"{head} {e['tau_a']:.3f} ({e['spread_a']:.3f}) | {e['tau_b']:.3f} ({e['spread_b']:.3f}) | "
+                     f"{format_difference(e['mean'])} | {verdict} |")
+    return "\n".join(lines) + "\n"
 
 
 def render_intervals(rows: list[dict], meta: dict, pairs: list[dict]) -> list[str]:
@@ -199,9 +276,9 @@ def render_intervals(rows: list[dict], meta: dict, pairs: list[dict]) -> list[st
 def write_table(out_dir: str, rows: list[dict], meta: dict) -> tuple[str, str]:
     """``<out>/table_<view>.md`` and ``.json``; returns their paths."""
     base = os.path.join(out_dir, f"table_{meta['view']}")
-    pairs = paired_comparisons(rows, meta["view"])
+    pairs, across = comparisons(rows, meta)
     with open(base + ".md", "w") as f:
-        f.write(render_markdown(rows, meta, pairs))
+        f.write(render_markdown(rows, meta, (pairs, across)))
     with open(base + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows, "paired": pairs}, f, indent=2)
+        json.dump({"meta": meta, "rows": rows, "paired": pairs, "across_seeds": across}, f, indent=2)
     return base + ".md", base + ".json"

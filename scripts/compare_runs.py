@@ -5,6 +5,7 @@ the data and target that every draft must share)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -89,6 +90,19 @@ def parse_ablations(specs: list[str], view: str) -> list[Arm]:
     return arms
 
 
+def parse_seeds(spec: str | None) -> list[int] | None:
+    """``--training-seeds 42,43``: the training seeds of every draft (None: each recipe's own, one job)."""
+    if spec is None:
+        return None
+    try:
+        seeds = [int(s) for s in spec.split(",")]
+    except ValueError:
+        raise CompareError(f"--training-seeds {spec!r}: expected comma-separated integers, e.g. 42,43") from None
+    if len(set(seeds)) < len(seeds) or any(s < 0 for s in seeds):
+        raise CompareError(f"--training-seeds {spec!r}: each seed once, each >= 0")
+    return seeds
+
+
 def ablation_label(arm: Arm) -> str:
     """The run label suffix of one ablation job: each key without ``model.args.``, then its value."""
     return "+".join(f"{key.removeprefix('model.args.')}={value}" for key, value in arm)
@@ -116,7 +130,8 @@ def _abspath_if_exists(path: str | None) -> str | None:
 
 
 def build_runs(a, extra: list[str], log: Callable[[str], None] = print, check: bool = True) -> list[dict]:
-    """One entry per training job of the view: label, config path, its argv without the keys the
+    """One entry per training job of the view (per ``a.training_seeds`` seed where given): label,
+    group (the view's draft, shared by its seeds), seed, config path, its argv without the keys the
     comparison sets, the resolved job config. ``check``: run the trainer's checks of each job
     (off for a report from records, whose target and data may be on another machine)."""
     if extra and not extra[0].startswith("--"):
@@ -124,6 +139,12 @@ def build_runs(a, extra: list[str], log: Callable[[str], None] = print, check: b
     own = sorted(override_keys(extra) & OWN_KEYS)
     if own:
         raise CompareError(f"--{own[0]} is set by the comparison for every job, not by an override")
+    seeds = a.training_seeds or [None]
+    if a.training_seeds:
+        if "training.seed" in override_keys(extra):
+            raise CompareError("--training.seed is set by --training-seeds for every job, not by an override")
+        if any(key == "training.seed" for arm in a.ablate for key, _ in arm):
+            raise CompareError("--ablate training.seed: with --training-seeds every job is trained once per seed")
     shared = []
     if a.target:
         shared += ["--target.path", _abspath_if_exists(a.target)]
@@ -151,9 +172,12 @@ def build_runs(a, extra: list[str], log: Callable[[str], None] = print, check: b
             if f"model.args.{arg}" in override_keys(extra):
                 raise CompareError(f"--model.args.{arg} is set by the equal-draft-tokens view (see --drafted)")
             variants = [(f"{stem}-drafted{n}", [f"--model.args.{arg}", str(rule(n))]) for n in a.drafted]
-        for label, view_args in variants:
-            argv = base + view_args + shared + extra
-            runs.append({"label": label, "config": config, "view_args": view_args, "argv": argv,
+        for (label, view_args), seed in itertools.product(variants, seeds):
+            seed_args = [] if seed is None else ["--training.seed", str(seed)]
+            argv = base + view_args + seed_args + shared + extra
+            # a group: one draft of the view, trained once per seed (the same steps, one calibration)
+            runs.append({"label": label if seed is None else f"{label}-seed{seed}", "group": label, "seed": seed,
+                         "config": config, "view_args": view_args, "argv": argv,
                          "cfg": _resolve(argv + own_args("unused", 1))})
     if not runs:
         raise CompareError(f"no draft of {a.configs} takes part in the {a.view} view")

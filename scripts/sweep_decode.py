@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # runnable from a checkout without an install
     sys.path.insert(0, REPO)
 
-from scripts.compare_drafts import Interrupted, _last_line, run_logged  # noqa: E402
+from scripts.compare_jobs import Interrupted, last_line, run_logged  # noqa: E402
 
 
 class SweepError(Exception):
@@ -73,7 +73,7 @@ def run_setting(a, i: int, setting: list[str]) -> dict:
     rc, _ = run_logged(eval_command(a, setting, out_json), log_path)
     label = " ".join(setting) or "defaults"
     if rc != 0:
-        last = _last_line(log_path)
+        last = last_line(log_path)
         if rc == 2:  # the eval refused its input: the same for every setting that has it
             raise SweepError(f"{label}: {last}")
         return {"setting": label, "error": f"exit {rc}: {last} (log {log_path})"}

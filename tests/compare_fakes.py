@@ -33,11 +33,25 @@ def eval_report(temperature: float, rounds: list[int], tokens: list[int], accept
             **EvalReport(prompts, num_draft_tokens=4, max_new_tokens=16, temperature=temperature).to_json()}
 
 
+def prompt_report(rounds_tokens: list[tuple[int, int]], names: list[str] | None = None) -> dict:
+    """An eval report of given (rounds, round tokens) per prompt, its summary's tau theirs."""
+    names = names or [f"mtbench:{81 + i}" for i in range(len(rounds_tokens))]
+    prompts = [{"name": n, "prompt_tokens": 10, "new_tokens": t + 1, "rounds": r, "round_tokens": t, "tau": t / r,
+                "speculative_s": 1.0, "accepted": [], "greedy_s": None, "lossless": None, "divergence": None,
+                "proposed": [], "sampled_rounds": 0} for n, (r, t) in zip(names, rounds_tokens)]
+    rounds, tokens = sum(r for r, _ in rounds_tokens), sum(t for _, t in rounds_tokens)
+    summary = {"tau": tokens / rounds, "accept_rate": [0.5], "num_prompts": len(prompts), "lossless_prompts": None,
+               "num_draft_tokens": 1, "proposed_per_round": 1.0, "rounds": rounds, "new_tokens": tokens,
+               "draft_sampling": "greedy", "speculative_tokens_per_s": None, "greedy_tokens_per_s": None, "speedup": None}
+    return {"summary": summary, "prompts": prompts}
+
+
 class FakeJobs:
     """Stands in for compare_drafts.run_logged: records each command and writes what the real job
     would. ``stop_training_once``: the first training attempt stops (SIGTERM) before its export."""
 
-    def __init__(self, stop_training_once: bool = False, interrupt_training_once: bool = False):
+    def __init__(self, stop_training_once: bool = False, interrupt_training_once: bool = False, report_for=None):
+        self.report_for = report_for  # (out path, temperature) -> the eval's report; None: a fixed one
         self.calls: list[tuple[str, list[str]]] = []
         self.caches: list[tuple[str, str, bool]] = []  # (job, its compile cache, whether it existed before)
         self.stop_training_once = stop_training_once
@@ -50,7 +64,8 @@ class FakeJobs:
         if "titan_draft.eval" in cmd:
             self.calls.append(("eval", cmd))
             t = float(arg["--temperature"])
-            rep = eval_report(t, [4, 4], [12, 12], [[1, 2, 0, 1], [3, 0, 1, 1]], None if t > 0 else [True, True])
+            rep = self.report_for(arg["--out"], t) if self.report_for else \
+                eval_report(t, [4, 4], [12, 12], [[1, 2, 0, 1], [3, 0, 1, 1]], None if t > 0 else [True, True])
             Path(arg["--out"]).write_text(json.dumps(rep))
             return 0, 3.0
         dump, steps = arg["--job.dump_folder"], int(arg["--training.steps"])

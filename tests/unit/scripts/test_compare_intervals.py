@@ -9,21 +9,10 @@ import random
 
 from scripts.compare_report import build_row, eval_report_name, paired_comparisons, render_markdown, write_table
 from titan_draft.decoding.tau_interval import paired_difference
+from compare_fakes import prompt_report
 
 META = {"view": "recipes", "minutes": 3.0, "calibration_steps": 60, "prompts": "mtbench", "max_new_tokens": 256,
         "temperatures": [0.0], "seed": 0, "date": "d"}
-
-
-def _report(rounds_tokens, names=None):
-    names = names or [f"mtbench:{81 + i}" for i in range(len(rounds_tokens))]
-    prompts = [{"name": n, "prompt_tokens": 10, "new_tokens": t + 1, "rounds": r, "round_tokens": t, "tau": t / r,
-                "speculative_s": 1.0, "accepted": [], "greedy_s": None, "lossless": None, "divergence": None,
-                "proposed": [], "sampled_rounds": 0} for n, (r, t) in zip(names, rounds_tokens)]
-    rounds, tokens = sum(r for r, _ in rounds_tokens), sum(t for _, t in rounds_tokens)
-    summary = {"tau": tokens / rounds, "accept_rate": [0.5], "num_prompts": len(prompts), "lossless_prompts": None,
-               "num_draft_tokens": 1, "proposed_per_round": 1.0, "rounds": rounds, "new_tokens": tokens,
-               "draft_sampling": "greedy", "speculative_tokens_per_s": None, "greedy_tokens_per_s": None, "speedup": None}
-    return {"summary": summary, "prompts": prompts}
 
 
 def _rows(tmp_path, reports: dict, infos: dict | None = None):
@@ -48,9 +37,9 @@ def _prompts(rng, skill, difficulties):
 def test_every_draft_is_paired_with_those_below_it_and_called(tmp_path):
     rng = random.Random(0)
     difficulty = [rng.uniform(0.1, 1.0) for _ in range(40)]
-    reports = {"dspark": _report(_prompts(rng, 0.60, difficulty)),
-               "eagle3": _report(_prompts(rng, 0.90, difficulty)),
-               "dflash2": _report(_prompts(rng, 0.91, difficulty))}
+    reports = {"dspark": prompt_report(_prompts(rng, 0.60, difficulty)),
+               "eagle3": prompt_report(_prompts(rng, 0.90, difficulty)),
+               "dflash2": prompt_report(_prompts(rng, 0.91, difficulty))}
     rows = _rows(tmp_path, reports)
     pairs = paired_comparisons(rows, "recipes")
     assert [(p["a"], p["b"]) for p in pairs] == [("dflash2", "eagle3"), ("dflash2", "dspark"), ("eagle3", "dspark")]
@@ -76,8 +65,8 @@ def test_reports_on_other_prompts_are_named_not_paired(tmp_path):
     rng = random.Random(1)
     difficulty = [rng.uniform(0.1, 1.0) for _ in range(6)]
     other = [f"holdout:{i}" for i in range(6)]
-    rows = _rows(tmp_path, {"a": _report(_prompts(rng, 0.9, difficulty)),
-                            "b": _report(_prompts(rng, 0.5, difficulty), names=other)})
+    rows = _rows(tmp_path, {"a": prompt_report(_prompts(rng, 0.9, difficulty)),
+                            "b": prompt_report(_prompts(rng, 0.5, difficulty), names=other)})
     (pair,) = paired_comparisons(rows, "recipes")
     assert "difference" not in pair and "holdout:0" in pair["not_paired"]
     assert "not paired: the two evals were not decoded on the same prompts" in render_markdown(rows, META)
@@ -90,7 +79,7 @@ def test_the_ablation_view_pairs_each_setting_with_its_recipe(tmp_path):
     infos = {"dspark_smollm2": {"config": cfg, "view_overrides": []},
              "dspark_smollm2+markov_rank=64": {"config": cfg, "view_overrides": ["--model.args.markov_rank", "64"]},
              "dspark_smollm2+block_size=16": {"config": cfg, "view_overrides": ["--model.args.block_size", "16"]}}
-    rows = _rows(tmp_path, {label: _report(_prompts(rng, skill, difficulty))
+    rows = _rows(tmp_path, {label: prompt_report(_prompts(rng, skill, difficulty))
                             for label, skill in zip(infos, (0.5, 0.9, 0.2))}, infos)
     pairs = paired_comparisons(rows, "ablation")
     assert [(p["a"], p["b"]) for p in pairs] == [("dspark_smollm2+markov_rank=64", "dspark_smollm2"),
