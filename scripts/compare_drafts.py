@@ -63,6 +63,7 @@ from scripts.compare_jobs import (
     differing_keys,
     last_line,
     log_line,
+    portable_record,
     read_json,
     run_logged,
     write_json,
@@ -244,7 +245,7 @@ def evaluate(a, run: dict, folder: str) -> None:
             if name.startswith("eval_t") and name.endswith(".json"):
                 os.remove(os.path.join(folder, name))
         log_line(f"{run['label']}: its eval reports were made with another {', '.join(changed)}: evaluating again")
-        write_json(os.path.join(folder, "eval_settings.json"), settings)
+        write_json(os.path.join(folder, "eval_settings.json"), portable_record(settings))
     export = os.path.join(folder, "run", run["cfg"].checkpoint.export_folder)
     for temperature, dtype in wanted_reports(a):
         out = os.path.join(folder, eval_report_name(temperature, dtype))
@@ -269,8 +270,8 @@ def evaluate(a, run: dict, folder: str) -> None:
 def check_records(a, run: dict, folder: str, settings: dict) -> None:
     """--report-only: refuse records of another comparison, log the stages that have none."""
     recorded = read_json(os.path.join(folder, "settings.json"))
-    if recorded is not None and recorded != settings:
-        changed = ", ".join(differing_keys(recorded, settings))
+    if recorded is not None and (changed := ", ".join(differing_keys(portable_record(recorded),
+                                                                     portable_record(settings)))):
         raise CompareError(f"{folder} holds a comparison made with another {changed}: the table would mix two comparisons")
     plan_record = read_json(os.path.join(folder, "plan.json"))
     if plan_record is not None and (plan_record["budget_s"], plan_record["margin"]) != (60 * a.minutes, a.margin):

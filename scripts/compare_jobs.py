@@ -76,13 +76,31 @@ def write_json(path: str, value: dict) -> None:
     os.replace(tmp, path)  # a stage's record is whole or absent
 
 
+def portable(value):
+    """A recorded value as it reads on any checkout: an absolute path inside this repository
+    (a recipe, a target under outputs/) relative to it, in a list too. A comparison's folders
+    gathered from machines whose checkouts lie elsewhere then hold the same records."""
+    if isinstance(value, list):
+        return [portable(v) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        rel = os.path.relpath(value, REPO)
+        if rel != os.pardir and not rel.startswith(os.pardir + os.sep):
+            return rel
+    return value
+
+
+def portable_record(settings: dict) -> dict:
+    return {k: portable(v) for k, v in settings.items()}
+
+
 def changed_settings(path: str, settings: dict) -> list[str]:
-    """The keys in which ``settings`` differ from those recorded at ``path`` (recorded if none are)."""
+    """The keys in which ``settings`` differ from those recorded at ``path`` (recorded if none are),
+    paths compared as :func:`portable` reads them (a record of this checkout's absolute paths too)."""
     old = read_json(path)
     if old is None:
-        write_json(path, settings)
+        write_json(path, portable_record(settings))
         return []
-    return differing_keys(old, settings)
+    return differing_keys(portable_record(old), portable_record(settings))
 
 
 def differing_keys(old: dict, new: dict) -> list[str]:
