@@ -3,6 +3,7 @@ trainer's own TensorBoard scalars, the export's provenance, an eval report), wit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -42,8 +43,23 @@ def prompt_report(rounds_tokens: list[tuple[int, int]], names: list[str] | None 
     rounds, tokens = sum(r for r, _ in rounds_tokens), sum(t for _, t in rounds_tokens)
     summary = {"tau": tokens / rounds, "accept_rate": [0.5], "num_prompts": len(prompts), "lossless_prompts": None,
                "num_draft_tokens": 1, "proposed_per_round": 1.0, "rounds": rounds, "new_tokens": tokens,
-               "draft_sampling": "greedy", "speculative_tokens_per_s": None, "greedy_tokens_per_s": None, "speedup": None}
+               "draft_sampling": "greedy", "speculative_tokens_per_s": None, "greedy_tokens_per_s": None,
+               "speedup": None}
     return {"summary": summary, "prompts": prompts}
+
+
+def flat_config(cfg) -> dict:
+    """Every resolved key of a job config as ``section.key`` (model args as ``model.args.<name>``)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        for g in dataclasses.fields(section):
+            value = getattr(section, g.name)
+            if isinstance(value, dict):
+                out.update({f"{f.name}.{g.name}.{k}": v for k, v in value.items()})
+            else:
+                out[f"{f.name}.{g.name}"] = value
+    return out
 
 
 class FakeJobs:

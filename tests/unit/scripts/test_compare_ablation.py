@@ -3,35 +3,16 @@ each changing exactly its one key (or the keys of a joint change), and every mal
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
 
 from scripts import compare_drafts, compare_runs
+from compare_fakes import flat_config
 from helpers import REPO
 
 DSPARK = os.path.join(REPO, "train_configs", "dspark_debug.toml")
 DFLASH2 = os.path.join(REPO, "train_configs", "debug_random.toml")
-
-
-@pytest.fixture
-def job(random_target_dir, chat_jsonl) -> list[str]:
-    return ["--target", random_target_dir, "--data", chat_jsonl]
-
-
-def _flat(cfg) -> dict:
-    """Every resolved key of a job config as ``section.key`` (model args as ``model.args.<name>``)."""
-    out = {}
-    for f in dataclasses.fields(cfg):
-        section = getattr(cfg, f.name)
-        for g in dataclasses.fields(section):
-            value = getattr(section, g.name)
-            if isinstance(value, dict):
-                out.update({f"{f.name}.{g.name}.{k}": v for k, v in value.items()})
-            else:
-                out[f"{f.name}.{g.name}"] = value
-    return out
 
 
 def test_each_ablated_value_is_one_job_that_changes_only_its_key(job):
@@ -43,11 +24,11 @@ def test_each_ablated_value_is_one_job_that_changes_only_its_key(job):
             for suffix in ("", "+num_anchors=4", "+num_anchors=16", "+optimizer.lr=3e-4")}
     assert set(runs) == want
     for stem in ("dspark_debug", "debug_random"):
-        base = _flat(runs[stem]["cfg"])
+        base = flat_config(runs[stem]["cfg"])
         for suffix, key, value in (("+num_anchors=4", "model.args.num_anchors", 4),
                                    ("+num_anchors=16", "model.args.num_anchors", 16),
                                    ("+optimizer.lr=3e-4", "optimizer.lr", 3e-4)):
-            got = _flat(runs[stem + suffix]["cfg"])
+            got = flat_config(runs[stem + suffix]["cfg"])
             assert got[key] == value, (stem, suffix)
             diff = {k for k in set(base) | set(got) if base.get(k) != got.get(k)}
             assert diff == {key}, (stem, suffix, diff)
@@ -64,12 +45,12 @@ def test_a_joint_change_is_one_job_that_changes_its_keys_together(job):
     runs = {r["label"]: r for r in compare_runs.build_runs(a, extra, print)}
     joint = "dspark_debug+ce_loss_weight=1.0+l1_loss_weight=0.0"
     assert set(runs) == {"dspark_debug", joint, "dspark_debug+ce_loss_weight=0.5", "dspark_debug+optimizer.lr=1e+3"}
-    base, got = _flat(runs["dspark_debug"]["cfg"]), _flat(runs[joint]["cfg"])
+    base, got = flat_config(runs["dspark_debug"]["cfg"]), flat_config(runs[joint]["cfg"])
     assert {k for k in set(base) | set(got) if base.get(k) != got.get(k)} == {"model.args.ce_loss_weight",
                                                                              "model.args.l1_loss_weight"}
     assert (got["model.args.ce_loss_weight"], got["model.args.l1_loss_weight"]) == (1.0, 0.0)
     assert runs[joint]["view_args"] == ["--model.args.ce_loss_weight", "1.0", "--model.args.l1_loss_weight", "0.0"]
-    assert _flat(runs["dspark_debug+optimizer.lr=1e+3"]["cfg"])["optimizer.lr"] == 1e3
+    assert flat_config(runs["dspark_debug+optimizer.lr=1e+3"]["cfg"])["optimizer.lr"] == 1e3
 
 
 @pytest.mark.parametrize("args, expect", [

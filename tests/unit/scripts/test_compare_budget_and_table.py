@@ -140,12 +140,6 @@ def test_a_missing_report_leaves_its_cells_empty(tmp_path):
 # ---- the runs of a view ----
 
 
-@pytest.fixture
-def job(random_target_dir, chat_jsonl) -> list[str]:
-    """The target and data every job of these tests shares."""
-    return ["--target", random_target_dir, "--data", chat_jsonl]
-
-
 def test_equal_draft_tokens_view_sets_each_drafts_own_setting_of_equal_drafted_tokens(job):
     configs = ",".join(os.path.join(REPO, "train_configs", n) for n in
                        ("debug_random.toml", "dspark_debug.toml", "eagle3_debug.toml"))

@@ -8,18 +8,12 @@ import json
 import os
 import shutil
 
-import pytest
 
 from scripts import compare_drafts, compare_jobs
 from compare_fakes import FakeJobs
 from helpers import REPO
 
 DEBUG = os.path.join(REPO, "train_configs", "debug_random.toml")
-
-
-@pytest.fixture
-def job(random_target_dir, chat_jsonl) -> list[str]:
-    return ["--target", random_target_dir, "--data", chat_jsonl]
 
 
 def test_folders_gathered_from_another_checkout_are_the_same_comparison(tmp_path, monkeypatch, capsys, job):
@@ -32,8 +26,9 @@ def test_folders_gathered_from_another_checkout_are_the_same_comparison(tmp_path
     def compare(checkout: str, *extra: str) -> int:
         monkeypatch.setattr(compare_jobs, "REPO", str(tmp_path / checkout))
         recipe = tmp_path / checkout / "train_configs" / "debug_random.toml"
-        return compare_drafts.main(["--minutes", "1", "--configs", str(recipe), "--out", str(tmp_path / checkout / "out"),
-                                    *job, "--calibration-steps", "6", "--calibration-warmup", "2", *extra])
+        out = tmp_path / checkout / "out"
+        return compare_drafts.main(["--minutes", "1", "--configs", str(recipe), "--out", str(out), *job,
+                                    "--calibration-steps", "6", "--calibration-warmup", "2", *extra])
 
     assert compare("a") == 0 and [k for k, _ in jobs.calls] == ["calibration", "train", "eval", "eval"]
     settings = tmp_path / "b" / "out" / "debug_random" / "settings.json"

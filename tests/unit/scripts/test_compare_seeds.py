@@ -4,7 +4,6 @@ called only where every pairing of their seeds is established on the prompts."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -13,21 +12,11 @@ import pytest
 
 from scripts import compare_drafts, compare_runs
 from titan_draft.decoding.tau_interval import across_seeds
-from compare_fakes import FakeJobs, prompt_report
+from compare_fakes import FakeJobs, flat_config, prompt_report
 from helpers import REPO
 
 DFLASH2 = os.path.join(REPO, "train_configs", "debug_random.toml")
 DSPARK = os.path.join(REPO, "train_configs", "dspark_debug.toml")
-
-
-@pytest.fixture
-def job(random_target_dir, chat_jsonl) -> list[str]:
-    return ["--target", random_target_dir, "--data", chat_jsonl]
-
-
-def _flat(cfg) -> dict:
-    return {f"{f.name}.{g.name}": getattr(getattr(cfg, f.name), g.name)
-            for f in dataclasses.fields(cfg) for g in dataclasses.fields(getattr(cfg, f.name))}
 
 
 def _runs(argv: list[str]) -> dict[str, dict]:
@@ -40,11 +29,11 @@ def test_each_seed_is_one_job_that_changes_only_the_training_seed(job):
     runs = _runs(["--minutes", "1", "--configs", f"{DFLASH2},{DSPARK}", "--training-seeds", "7,8", *job])
     assert list(runs) == ["debug_random-seed7", "debug_random-seed8", "dspark_debug-seed7", "dspark_debug-seed8"]
     for stem in ("debug_random", "dspark_debug"):
-        base = _flat(plain[stem]["cfg"])
+        base = flat_config(plain[stem]["cfg"])
         assert base["training.seed"] not in (7, 8)
         for seed in (7, 8):
             run = runs[f"{stem}-seed{seed}"]
-            got = _flat(run["cfg"])
+            got = flat_config(run["cfg"])
             assert got["training.seed"] == seed and (run["group"], run["seed"]) == (stem, seed)
             assert {k for k in base if base[k] != got[k]} == {"training.seed"}, (stem, seed)
     # the ablation view: every job of the view, once per seed
