@@ -1,6 +1,7 @@
 """scripts/compare_drafts.py end to end on CPU: the debug DFlash2 job against the random-weight
 target, calibrated, trained for a tiny budget and decoded on two MT-Bench prompts at T = 0 and
-T = 1, through the real trainer and eval CLI. The table's row must be what those jobs wrote."""
+T = 1, through the real trainer and eval CLI, once per training seed. The table's rows must be
+what those jobs wrote, and the seeds the only difference between the two jobs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import os
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from scripts import compare_drafts
@@ -24,11 +27,17 @@ def test_compare_trains_for_the_budget_and_tabulates_the_runs(tmp_path, random_t
         "--calibration-steps", "4", "--calibration-warmup", "1", "--launcher", "python", "--out", str(out),
         # a tiny step (one short row, two blocks) and no profiler: the overrides reach every job
         "--data.max_length", "32", "--training.local_batch_size", "1", "--model.args.num_anchors", "2",
-        "--profiling.enable_profiling", "false"])
+        "--profiling.enable_profiling", "false", "--training-seeds", "1,2"])
     assert status == 0
-    folder = out / "debug_random"
-    (row,) = json.loads((out / "table_recipes.json").read_text())["rows"]
+    folder = out / "debug_random-seed1"
+    row, row2 = json.loads((out / "table_recipes.json").read_text())["rows"]
     plan = json.loads((folder / "plan.json").read_text())
+    # the second seed: the same steps from the first one's calibration, its own initialization
+    assert (row2["label"], row2["steps"], row2["training_seed"]) == ("debug_random-seed2", plan["steps"], 2)
+    assert not (out / "debug_random-seed2" / "calibration.json").exists()
+    weights = [load_file(str(out / f"debug_random-seed{s}" / "run" / "export" / "model.safetensors")) for s in (1, 2)]
+    assert weights[0].keys() == weights[1].keys()
+    assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
     # the steps are the plan's, and the job ran exactly those: its export says so
     assert row["steps"] == plan["steps"] > 0
@@ -51,5 +60,5 @@ def test_compare_trains_for_the_budget_and_tabulates_the_runs(tmp_path, random_t
         row["speed"]["speculative_tokens_per_s"] / row["speed"]["plain_tokens_per_s"])
     md = (out / "table_recipes.md").read_text()
     assert 0 < row["setup_s"] < 60 * row["training_min"]  # start-up and compile: part of the job, not all
-    assert f"| debug_random | 0.35 | {row['training_min']:.2f} | {row['setup_s']:.0f} | {plan['steps']} |" in md
+    assert f"| debug_random-seed1 | 0.35 | {row['training_min']:.2f} | {row['setup_s']:.0f} | {plan['steps']} |" in md
     assert " | 2/2 | " in md
