@@ -170,7 +170,7 @@ def calibrate(a, run: dict, folder: str) -> dict:
         raise CompareError(f"{run['label']}: calibration: {e}", 1) from None
     write_json(path, calibration)
     log_line(f"{run['label']}: calibration {wall:.1f} s, median step {1e3 * calibration['median_step_s']:.1f} ms, "
-         f"setup {calibration['setup_s']:.1f} s, a checkpoint save {calibration['save_s']:.2f} s")
+             f"setup {calibration['setup_s']:.1f} s, a checkpoint save {calibration['save_s']:.2f} s")
     return calibration
 
 
@@ -209,7 +209,7 @@ def train(a, run: dict, folder: str, steps: int) -> None:
         log_line(f"{run['label']}: the training job had finished ({export}); reading its record")
     else:
         log_line(f"{run['label']}: training, {steps} steps" + (f", attempt {len(attempts) + 1}" if attempts else "")
-             + f" (log {log})")
+                 + f" (log {log})")
         cmd, env = train_command(a, run["argv"], dump, steps, [])
         try:
             rc, wall = run_logged(cmd, log, env)
@@ -233,7 +233,7 @@ def train(a, run: dict, folder: str, steps: int) -> None:
             os.remove(os.path.join(folder, name))
     write_json(record, summary)
     log_line(f"{run['label']}: trained {steps} steps in {summary['wall_s'] / 60:.2f} min "
-         f"(budget {a.minutes:g}), median step {summary['median_step_ms']:.1f} ms")
+             f"(budget {a.minutes:g}), median step {summary['median_step_ms']:.1f} ms")
 
 
 def evaluate(a, run: dict, folder: str) -> None:

@@ -62,6 +62,7 @@ def last_line(log_path: str) -> str:
         lines = [line.strip() for line in f if line.strip()]
     return lines[-1] if lines else "(no output)"
 
+
 def read_json(path: str) -> dict | None:
     if not os.path.isfile(path):
         return None

@@ -96,7 +96,7 @@ def format_positions(rates: list[float]) -> str:
 
 def comparisons(rows: list[dict], meta: dict) -> tuple[list[dict], list[dict]]:
     """(single runs paired, drafts across their training seeds): the first for a comparison of one
-    run a draft, the second where ``meta`` names several training seeds."""
+    run a draft, the second where ``meta`` names its training seeds (``--training-seeds``)."""
     if meta.get("training_seeds"):
         return [], seed_comparisons(rows, meta["view"])
     return paired_comparisons(rows, meta["view"]), []
