@@ -63,13 +63,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def read_vocabulary(folder: str) -> tuple[torch.Tensor, dict]:
     """``(in_vocab [V] bool, the export's run info)``; refused in one line where the export has no
     draft vocabulary."""
-    tensors, _ = load_export(folder)
+    try:
+        tensors, _ = load_export(folder)
+    except FileNotFoundError as e:
+        raise SystemExit(f"vocab_mass: error: {e}") from None
     if "t2d" not in tensors:
         raise SystemExit(f"vocab_mass: error: {folder}: no t2d tensor (its draft proposes from the target's "
                          "whole vocabulary, nothing is left out)")
     prov = os.path.join(folder, PROVENANCE_NAME)
-    run = json.load(open(prov)).get("run", {}) if os.path.isfile(prov) else {}
-    return tensors["t2d"].bool(), run
+    if not os.path.isfile(prov):
+        return tensors["t2d"].bool(), {}
+    with open(prov) as f:
+        return tensors["t2d"].bool(), json.load(f).get("run", {})
 
 
 @torch.no_grad()
@@ -115,9 +120,12 @@ def main(argv: list[str] | None = None) -> dict:
     chat = resolve_chat_format(tokenizer, template=run.get("chat_template", "auto"),
                                system_prompt=run.get("system_prompt", "auto"),
                                enable_thinking=run.get("enable_thinking", True), key="the draft's chat_template")
-    prompts = load_eval_prompts(a.prompts.split(","), tokenizer, template=chat.template,
-                                system_prompt=chat.system_prompt, enable_thinking=chat.enable_thinking,
-                                num_prompts=a.num_prompts)
+    try:
+        prompts = load_eval_prompts(a.prompts.split(","), tokenizer, template=chat.template,
+                                    system_prompt=chat.system_prompt, enable_thinking=chat.enable_thinking,
+                                    num_prompts=a.num_prompts)
+    except ValueError as e:
+        raise SystemExit(f"vocab_mass: error: {e}") from None
     stop = stop_token_ids(tokenizer, chat.template)
     result = {"target": a.target, "drafts": {d: {"draft_vocab_size": int(v.sum()), "temperatures": {}}
                                              for d, v in zip(drafts, vocabs)}, "decodes": {}}

@@ -79,6 +79,8 @@ def test_the_mass_outside_is_the_targets_own_along_its_decodes(tmp_path, random_
     ("other_chat", "was trained in another chat format than"),
     ("short_t2d", "t2d covers 7 tokens, the target has"),
     ("temperature", "--temperatures 'x': expected numbers"),
+    ("no_folder", "has no model.safetensors"),
+    ("bad_prompts", "is not one of mtbench, holdout or an existing .jsonl file"),
 ])
 def test_what_it_cannot_measure_gets_one_line(tmp_path, random_target_dir, prompts, capsys, case, message):
     vocab = transformers.AutoConfig.from_pretrained(random_target_dir).vocab_size
@@ -88,7 +90,10 @@ def test_what_it_cannot_measure_gets_one_line(tmp_path, random_target_dir, promp
         other = _export(tmp_path / "other", torch.ones(vocab, dtype=torch.bool))
         (tmp_path / "other" / "titan_draft_export.json").write_text(json.dumps({"run": {"chat_template": "chatml"}}))
         draft = f"{draft},{other}"
+    if case == "no_folder":
+        draft = str(tmp_path / "nowhere")
     with pytest.raises(SystemExit) as e:
-        vocab_mass.main(["--target", random_target_dir, "--draft", draft, "--prompts", prompts, "--device", "cpu",
+        vocab_mass.main(["--target", random_target_dir, "--draft", draft, "--device", "cpu",
+                         "--prompts", "elsewhere" if case == "bad_prompts" else prompts,
                          *(["--temperatures", "x"] if case == "temperature" else [])])
     assert message in str(e.value) and "\n" not in str(e.value)
