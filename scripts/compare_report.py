@@ -163,27 +163,39 @@ def _baseline(rows: list[dict], row: dict) -> dict | None:
     return next((r for r in rows if r.get("config") == row.get("config") and not r.get("view_overrides")), None)
 
 
-def paired_comparisons(rows: list[dict], view: str) -> list[dict]:
-    """Which differences in tau the prompts establish, at each temperature: in the ablation view
-    each changed setting against its recipe as it is, otherwise each draft against every draft
-    below it in tau order. Paired: both drafts' tau on the same resampled prompts."""
-    temps = sorted({t for r in rows for t in r["evals"]}, key=float)
+def _comparisons(rows: list[dict], view: str, unit_of, compare, name) -> list[dict]:
+    """Which units of rows to compare at each temperature, and how: in the ablation view each
+    changed setting against its recipe as it is, otherwise each unit against every unit below it
+    in (mean) tau. ``unit_of(row)`` names a row's unit, ``compare(a, b)`` takes each unit's rows'
+    per-prompt evals, ``name(rows)`` is what the entry calls a unit."""
+    units: dict[str, list[dict]] = {}
+    for r in rows:
+        units.setdefault(unit_of(r), []).append(r)
     out = []
-    for t in temps:
-        have = [r for r in rows if t in r["evals"] and r["evals"][t].get("per_prompt")]
+    for t in sorted({t for r in rows for t in r["evals"]}, key=float):
+        have = {u: rs for u, rs in units.items() if all((r["evals"].get(t) or {}).get("per_prompt") for r in rs)}
         if view == "ablation":
-            pairs = [(r, b) for r in have if (b := _baseline(have, r)) is not None and b is not r]
+            pairs = [(u, unit_of(b)) for u, rs in have.items()
+                     if (b := _baseline(rows, rs[0])) is not None and unit_of(b) in have and unit_of(b) != u]
         else:
-            ranked = sorted(have, key=lambda r: -r["evals"][t]["tau"])
-            pairs = [(a, b) for i, a in enumerate(ranked) for b in ranked[i + 1:]]
-        for a, b in pairs:
-            entry = {"temperature": t, "a": a["label"], "b": b["label"]}
+            mean = {u: sum(r["evals"][t]["tau"] for r in rs) / len(rs) for u, rs in have.items()}
+            ranked = sorted(have, key=lambda u: -mean[u])
+            pairs = [(x, y) for i, x in enumerate(ranked) for y in ranked[i + 1:]]
+        for ua, ub in pairs:
+            entry = {"temperature": t, "a": name(have[ua]), "b": name(have[ub])}
             try:
-                entry.update(paired_difference(a["evals"][t]["per_prompt"], b["evals"][t]["per_prompt"]))
+                entry.update(compare(*([r["evals"][t]["per_prompt"] for r in have[u]] for u in (ua, ub))))
             except PromptMismatch as e:
                 entry["not_paired"] = str(e)
             out.append(entry)
     return out
+
+
+def paired_comparisons(rows: list[dict], view: str) -> list[dict]:
+    """Which differences in tau the prompts establish, at each temperature (see :func:`_comparisons`
+    for which pairs). Paired: both drafts' tau on the same resampled prompts."""
+    return _comparisons(rows, view, lambda r: r["label"], lambda a, b: paired_difference(a[0], b[0]),
+                        lambda rs: rs[0]["label"])
 
 
 def _group(row: dict) -> str:
@@ -192,31 +204,10 @@ def _group(row: dict) -> str:
 
 def seed_comparisons(rows: list[dict], view: str) -> list[dict]:
     """The drafts trained with several seeds (rows sharing a ``group``), compared as
-    :func:`paired_comparisons` compares single runs (each changed setting against its recipe in the
-    ablation view, otherwise each draft against those below it in mean tau), but with the order
-    called only where every pairing of the two drafts' seeds is established on the prompts: the
-    prompt bootstrap does not see how far a second training run moves tau."""
-    groups: dict[str, list[dict]] = {}
-    for r in rows:
-        groups.setdefault(_group(r), []).append(r)
-    out = []
-    for t in sorted({t for r in rows for t in r["evals"]}, key=float):
-        have = {g: rs for g, rs in groups.items() if all((r["evals"].get(t) or {}).get("per_prompt") for r in rs)}
-        if view == "ablation":
-            pairs = [(g, _group(b)) for g, rs in have.items()
-                     if (b := _baseline(rows, rs[0])) is not None and _group(b) in have and _group(b) != g]
-        else:
-            mean = {g: sum(r["evals"][t]["tau"] for r in rs) / len(rs) for g, rs in have.items()}
-            ranked = sorted(have, key=lambda g: -mean[g])
-            pairs = [(x, y) for i, x in enumerate(ranked) for y in ranked[i + 1:]]
-        for ga, gb in pairs:
-            entry = {"temperature": t, "a": [r["label"] for r in have[ga]], "b": [r["label"] for r in have[gb]]}
-            try:
-                entry.update(across_seeds(*([r["evals"][t]["per_prompt"] for r in have[g]] for g in (ga, gb))))
-            except PromptMismatch as e:
-                entry["not_paired"] = str(e)
-            out.append(entry)
-    return out
+    :func:`paired_comparisons` compares single runs (each against those below it in mean tau), but
+    with the order called only where every pairing of the two drafts' seeds is established on the
+    prompts: the prompt bootstrap does not see how far a second training run moves tau."""
+    return _comparisons(rows, view, _group, across_seeds, lambda rs: [r["label"] for r in rs])
 
 
 def format_difference(d: dict | None) -> str:
