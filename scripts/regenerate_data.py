@@ -143,7 +143,7 @@ def _rows_of(path: str) -> list[tuple[int, str]]:
     return rows
 
 
-def _rewrite(path: str, rows: list[tuple[int, str]]) -> None:
+def rewrite_rows(path: str, rows: list[tuple[int, str]]) -> None:
     """``rows`` in source order, written aside and renamed (never half a file): the first rows of
     the output are then the first rows of the source, so ``data.holdout_rows`` holds out a fair
     sample rather than the shortest prompts, which are answered first."""
@@ -267,7 +267,7 @@ def main(argv=None) -> None:
     name = f"{a.tag}-{rank:05d}" if a.tag else f"{rank:05d}"
     part = os.path.join(a.out, f"part-{name}.jsonl")
     previous = _rows_of(part)
-    _rewrite(part, previous)  # drops a line an interruption cut, before appending
+    rewrite_rows(part, previous)  # drops a line an interruption cut, before appending
     done = {row for row, _ in previous}
     todo, skipped, passed = [], 0, {}
     if a.turn == 1:
@@ -313,7 +313,7 @@ def main(argv=None) -> None:
             f.flush()
             print(f"rank {rank}: {s + len(chunk)}/{len(todo)} prompts answered "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
-    _rewrite(part, _rows_of(part))
+    rewrite_rows(part, _rows_of(part))
     settings = {"target": os.path.abspath(a.target), "source": a.source, "skip_rows": a.skip_rows,
                 "rows_read": split.total, "held_out_repeats": split.held_out_repeats, "repeated_prompts": repeats,
                 "chat_template": template, "system_prompt": system_prompt,

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.regenerate_data import _rewrite, generate, rank_and_device  # noqa: E402
+from scripts.regenerate_data import generate, rank_and_device, rewrite_rows  # noqa: E402
 from titan_draft.data.chat.format import resolve_chat_format  # noqa: E402
 from titan_draft.data.chat.prompts import mtbench_questions, stop_token_ids  # noqa: E402
 from titan_draft.data.chat.template import Turn, _render, check_template  # noqa: E402
@@ -104,7 +104,7 @@ def resume(part: str, log: str) -> tuple[dict, set[int], list[str]]:
     done = {r["batch"] for r in records}
     kept = [line for line in _lines(part) if json.loads(line)["batch"] in done]
     for path, lines in ((part, kept), (log, [json.dumps(r) + "\n" for r in records])):
-        _rewrite(path, list(enumerate(lines)))  # in their order, never half a file
+        rewrite_rows(path, list(enumerate(lines)))  # in their order, never half a file
     counts = {k: sum(r[k] for r in records) for k in ("sampled", "written", *DROPPED)}
     return counts, done, kept
 
