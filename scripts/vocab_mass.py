@@ -28,11 +28,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from titan_draft.checkpoint.export import PROVENANCE_NAME, load_export  # noqa: E402
-from titan_draft.data.chat.format import resolve_chat_format  # noqa: E402
-from titan_draft.data.chat.prompts import load_eval_prompts, stop_token_ids  # noqa: E402
+from titan_draft.data.chat.prompts import stop_token_ids  # noqa: E402
 from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
 from titan_draft.decoding.sampling import sample_decode, tempered_probs  # noqa: E402
 from titan_draft.decoding.speculative import greedy_decode  # noqa: E402
+from titan_draft.eval import build_run_prompts, resolve_device  # noqa: E402
 from titan_draft.features.target import load_target  # noqa: E402
 
 
@@ -100,8 +100,7 @@ def summarize(masses: list[float]) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args(sys.argv[1:] if argv is None else argv)
-    device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if a.device == "auto" else a.device))
+    device = resolve_device(a.device)
     drafts = a.draft.split(",")
     read = [read_vocabulary(d) for d in drafts]
     target = load_target(a.target, dtype=getattr(torch, a.dtype), device=device)
@@ -117,13 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"vocab_mass: error: {d} was trained in another chat format than {drafts[0]} "
                              f"({', '.join(f'{k} {other.get(k)!r}' for k in keys)}): read them on separate decodes")
     tokenizer = build_tokenizer(a.target)
-    chat = resolve_chat_format(tokenizer, template=run.get("chat_template", "auto"),
-                               system_prompt=run.get("system_prompt", "auto"),
-                               enable_thinking=run.get("enable_thinking", True), key="the draft's chat_template")
     try:
-        prompts = load_eval_prompts(a.prompts.split(","), tokenizer, template=chat.template,
-                                    system_prompt=chat.system_prompt, enable_thinking=chat.enable_thinking,
-                                    num_prompts=a.num_prompts)
+        chat, prompts = build_run_prompts(run, tokenizer, a.prompts, a.num_prompts, key="the draft's chat_template")
     except ValueError as e:
         raise SystemExit(f"vocab_mass: error: {e}") from None
     stop = stop_token_ids(tokenizer, chat.template)

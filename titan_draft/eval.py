@@ -200,6 +200,33 @@ def check_eval_target(a, recorded: dict | None, actual: dict) -> None:
     logger.warning(f"eval: {line}; evaluating anyway (--allow-target-mismatch)")
 
 
+def resolve_device(spec: str) -> torch.device:
+    """``auto``: the GPU where there is one, else the CPU; any other value names the device."""
+    if spec != "auto":
+        return torch.device(spec)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def build_run_prompts(run: dict, tokenizer, sources: str, num_prompts: int, *, chat_template: str | None = None,
+                      system_prompt: str | None = None, enable_thinking: bool | None = None,
+                      data_source: str | None = None, holdout_rows: int | None = None, max_prompt_tokens: int = 0,
+                      key: str = "--chat-template"):
+    """``(chat format, prompts)``: the training run's chat format and held-out rows (``run``, an
+    export's run info) wherever the caller gives none, and the prompts of ``sources`` (comma-separated)
+    rendered in that format. ``key`` names the template's source in an error."""
+    chat = resolve_chat_format(
+        tokenizer, template=chat_template or run.get("chat_template", "auto"),
+        system_prompt=run.get("system_prompt", "auto") if system_prompt is None else system_prompt,
+        enable_thinking=run.get("enable_thinking", True) if enable_thinking is None else enable_thinking, key=key)
+    prompts = load_eval_prompts(
+        sources.split(","), tokenizer, template=chat.template, system_prompt=chat.system_prompt,
+        enable_thinking=chat.enable_thinking, num_prompts=num_prompts,
+        data_source=data_source or run.get("data_source", ""),
+        holdout_rows=run.get("holdout_rows", 0) if holdout_rows is None else holdout_rows,
+        max_prompt_tokens=max_prompt_tokens)
+    return chat, prompts
+
+
 def build_progress_line(started: float) -> Callable:
     """``evaluate``'s progress: one line on stderr at every tenth of this rank's prompts and at its
     last (all 80 MT-Bench questions in fp32 on a CPU take most of an hour); rank 0 only."""
@@ -223,8 +250,7 @@ def build_progress_line(started: float) -> Callable:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     a = _parse(sys.argv[1:] if argv is None else argv)
-    device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if a.device == "auto" else a.device))
+    device = resolve_device(a.device)
     dtype = getattr(torch, a.dtype)
     try:
         options = parse_proposer_options(a.proposer_option)
@@ -241,18 +267,10 @@ def main(argv: list[str] | None = None) -> None:
         if recorded is not None:
             check_eval_target(a, recorded, {"table_fingerprint": fingerprint})
         tokenizer = build_tokenizer(a.target)
-        chat = resolve_chat_format(  # the training run's format unless the command line says otherwise
-            tokenizer, template=a.chat_template or run.get("chat_template", "auto"),
-            system_prompt=run.get("system_prompt", "auto") if a.system_prompt is None else a.system_prompt,
-            enable_thinking=run.get("enable_thinking", True) if a.enable_thinking is None else a.enable_thinking == "true",
-            key="--chat-template")
-        prompts = load_eval_prompts(
-            a.prompts.split(","), tokenizer, template=chat.template, system_prompt=chat.system_prompt,
-            enable_thinking=chat.enable_thinking, num_prompts=a.num_prompts,
-            data_source=a.data_source or run.get("data_source", ""),
-            holdout_rows=run.get("holdout_rows", 0) if a.holdout_rows is None else a.holdout_rows,
-            max_prompt_tokens=a.max_prompt_tokens,
-        )
+        chat, prompts = build_run_prompts(
+            run, tokenizer, a.prompts, a.num_prompts, chat_template=a.chat_template, system_prompt=a.system_prompt,
+            enable_thinking=None if a.enable_thinking is None else a.enable_thinking == "true",
+            data_source=a.data_source, holdout_rows=a.holdout_rows, max_prompt_tokens=a.max_prompt_tokens)
         greedy = maybe_load_greedy_cache(a, fingerprint, device)
         check_round_timing(a, len(prompts))
     except ValueError as e:
