@@ -60,12 +60,12 @@ from scripts.compare_jobs import (
     LOG_PATH,
     Interrupted,
     changed_settings,
-    differing_keys,
     last_line,
     log_line,
     portable_record,
     read_json,
     run_logged,
+    settings_changes,
     write_json,
 )
 from scripts.compare_runs import DEFAULT_CONFIGS, CompareError, build_runs, own_args, parse_ablations, parse_seeds
@@ -270,8 +270,7 @@ def evaluate(a, run: dict, folder: str) -> None:
 def check_records(a, run: dict, folder: str, settings: dict) -> None:
     """--report-only: refuse records of another comparison, log the stages that have none."""
     recorded = read_json(os.path.join(folder, "settings.json"))
-    if recorded is not None and (changed := ", ".join(differing_keys(portable_record(recorded),
-                                                                     portable_record(settings)))):
+    if recorded is not None and (changed := ", ".join(settings_changes(recorded, settings))):
         raise CompareError(f"{folder} holds a comparison made with another {changed}: the table would mix two comparisons")
     plan_record = read_json(os.path.join(folder, "plan.json"))
     if plan_record is not None and (plan_record["budget_s"], plan_record["margin"]) != (60 * a.minutes, a.margin):

@@ -101,7 +101,13 @@ def changed_settings(path: str, settings: dict) -> list[str]:
     if old is None:
         write_json(path, portable_record(settings))
         return []
-    return differing_keys(portable_record(old), portable_record(settings))
+    return settings_changes(old, settings)
+
+
+def settings_changes(recorded: dict, settings: dict) -> list[str]:
+    """The keys in which a recorded settings file and ``settings`` differ, paths read as
+    :func:`portable` reads them."""
+    return differing_keys(portable_record(recorded), portable_record(settings))
 
 
 def differing_keys(old: dict, new: dict) -> list[str]:
