@@ -39,25 +39,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts.regenerate_data import generate, rank_and_device, rewrite_rows  # noqa: E402
 from titan_draft.data.chat.format import resolve_chat_format  # noqa: E402
 from titan_draft.data.chat.prompts import mtbench_questions, stop_token_ids  # noqa: E402
-from titan_draft.data.chat.template import Turn, _render, check_template  # noqa: E402
+from titan_draft.data.chat.template import user_turn_prefix  # noqa: E402
 from titan_draft.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 from titan_draft.distributed.cuda_graphs import maybe_graphed  # noqa: E402
 from titan_draft.features.target import load_target  # noqa: E402
 
-_MARK = "@@question@@"
 DROPPED = ("unfinished", "empty", "special_token", "mtbench")
-
-
-def question_prefix(tokenizer: Tokenizer, template: str, system_prompt: str) -> list[int]:
-    """Token ids of the format up to where a user's first question starts (the system turn and
-    the user turn's header), cut from the training renderer itself so both agree."""
-    check_template(template, tokenizer)
-    rendered = _render([Turn("user", _MARK), Turn("assistant", "x")], template, system_prompt, False,
-                       tokenizer.normalize, tokenizer)
-    text = rendered.text
-    if text.count(_MARK) != 1:
-        raise ValueError(f"chat template {template!r}: no single place for a question in its rendering")
-    return tokenizer.encode(text[: text.index(_MARK)])
 
 
 def mtbench_set() -> set[str] | None:
@@ -137,7 +124,7 @@ def main(argv=None) -> None:
         tokenizer = build_tokenizer(a.target)
         chat = resolve_chat_format(tokenizer, template=a.chat_template, system_prompt=a.system_prompt,
                                    enable_thinking=False, key="--chat-template")
-        prefix = question_prefix(tokenizer, chat.template, chat.system_prompt)
+        prefix = user_turn_prefix(tokenizer, chat.template, chat.system_prompt)
     except ValueError as e:
         raise SystemExit(f"write_questions: error: {e}") from None
     target = maybe_graphed(load_target(a.target, dtype=dtype, device=device), device, not a.no_cuda_graphs)

@@ -14,7 +14,7 @@ import scripts.write_questions as wq
 from scripts.regenerate_data import main as regenerate
 from titan_draft.data.chat.format import resolve_chat_format
 from titan_draft.data.chat.prompts import mtbench_questions, render_prompt, stop_token_ids
-from titan_draft.data.chat.template import Turn
+from titan_draft.data.chat.template import Turn, user_turn_prefix
 from titan_draft.data.sources.rows import load_rows
 from titan_draft.data.tokenizer import build_tokenizer
 
@@ -27,7 +27,7 @@ def tok(random_target_dir):
 @pytest.mark.parametrize("system_prompt", ["auto", "", "Answer briefly."])
 def test_the_prefix_is_where_a_rendered_question_starts(tok, system_prompt):
     chat = resolve_chat_format(tok, template="auto", system_prompt=system_prompt)
-    prefix = wq.question_prefix(tok, chat.template, chat.system_prompt)
+    prefix = user_turn_prefix(tok, chat.template, chat.system_prompt)
     question = "Why is the sky blue?"
     full = render_prompt([Turn("user", question)], tok, chat.template, chat.system_prompt)
     text = tok.decode(full)
@@ -92,7 +92,7 @@ def test_script_counts_resumes_and_refuses_other_settings(tmp_path, random_targe
     monkeypatch.setattr(wq, "generate", _fake_generate(tok, calls))
     rows, settings = _run(tmp_path / "a", random_target_dir)
     chat = resolve_chat_format(tok, template="auto", system_prompt="auto")
-    assert {c[0] == wq.question_prefix(tok, chat.template, chat.system_prompt) for c in calls} == {True}
+    assert {c[0] == user_turn_prefix(tok, chat.template, chat.system_prompt) for c in calls} == {True}
     assert [(n, seed) for _, n, _, _, seed in calls] == [(3, 5), (3, 6), (3, 7), (1, 8)]  # seed + batch
     c = settings["counts"]
     assert c["sampled"] == 10 and c["written"] == len(rows) == 10 - c["unfinished"] - c["empty"] - c["special_token"]

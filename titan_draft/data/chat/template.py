@@ -307,6 +307,19 @@ def render_chat(
     return ids, _mask_of(starts[:-1], spans)
 
 
+def user_turn_prefix(tokenizer: Tokenizer, template: str, system_prompt: str = "") -> list[int]:
+    """Token ids of a conversation up to where its first user message starts (the system turn and
+    the user turn's header), cut from ``render_chat``'s own rendering so both agree. Sampling
+    questions from the target starts here."""
+    check_template(template, tokenizer)
+    mark = "@@question@@"
+    text = _render([Turn("user", mark), Turn("assistant", "x")], template, system_prompt, False,
+                   tokenizer.normalize, tokenizer).text
+    if text.count(mark) != 1:
+        raise ValueError(f"chat template {template!r}: no single place for a question in its rendering")
+    return tokenizer.encode(text[: text.index(mark)])
+
+
 def _overlap_mask(bounds: Sequence[int], spans: Sequence[tuple[int, int, int]]) -> list[bool]:
     """True for each token ``[bounds[i], bounds[i + 1])`` that shares a byte with a span (what
     ``return_assistant_tokens_mask`` marks: a BPE token that merges the prompt's last space
