@@ -32,8 +32,7 @@ from titan_draft.data.chat.prompts import stop_token_ids  # noqa: E402
 from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
 from titan_draft.decoding.evaluator import build_eval_draft  # noqa: E402
 from titan_draft.decoding.first_token import forced_first_tokens  # noqa: E402
-from titan_draft.decoding.sampling import sample_decode  # noqa: E402
-from titan_draft.decoding.speculative import greedy_decode  # noqa: E402
+from titan_draft.decoding.sampling import plain_decode  # noqa: E402
 from titan_draft.eval import build_proposer, build_run_prompts, parse_proposer_options, resolve_device  # noqa: E402
 from titan_draft.features.target import load_target  # noqa: E402
 
@@ -122,11 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
         terms = {"accept": [], "argmax_match": [], "target_top1": [], "target_entropy": []}
         decodes = []
         for i, prompt in enumerate(prompts):
-            if c <= 0:
-                gen = greedy_decode(target, prompt.ids, a.max_new_tokens, stop, device)
-            else:
-                gen = sample_decode(target, prompt.ids, a.max_new_tokens, stop, device, temperature=c,
-                                    generator=torch.Generator().manual_seed(a.seed + i))
+            gen = plain_decode(target, prompt.ids, a.max_new_tokens, stop, device, temperature=c, seed=a.seed + i)
             first = forced_first_tokens(target, proposer, prompt.ids, gen.tokens, device, temperature=a.temperature,
                                         generator=torch.Generator().manual_seed(a.seed + i))
             decodes.append({"name": prompt.name, "prompt_ids": prompt.ids, "tokens": gen.tokens, **vars(first)})

@@ -30,8 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from titan_draft.checkpoint.export import PROVENANCE_NAME, load_export  # noqa: E402
 from titan_draft.data.chat.prompts import stop_token_ids  # noqa: E402
 from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
-from titan_draft.decoding.sampling import sample_decode, tempered_probs  # noqa: E402
-from titan_draft.decoding.speculative import greedy_decode  # noqa: E402
+from titan_draft.decoding.sampling import plain_decode, tempered_probs  # noqa: E402
 from titan_draft.eval import build_run_prompts, resolve_device  # noqa: E402
 from titan_draft.features.target import load_target  # noqa: E402
 
@@ -126,11 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     for t in a.temperatures:
         decodes, masses = [], [[] for _ in drafts]
         for i, prompt in enumerate(prompts):  # one decode per prompt, read against every vocabulary
-            if t <= 0:
-                gen = greedy_decode(target, prompt.ids, a.max_new_tokens, stop, device)
-            else:
-                gen = sample_decode(target, prompt.ids, a.max_new_tokens, stop, device, temperature=t,
-                                    generator=torch.Generator().manual_seed(a.seed + i))
+            gen = plain_decode(target, prompt.ids, a.max_new_tokens, stop, device, temperature=t, seed=a.seed + i)
             logits = next_token_logits(target, prompt.ids, gen.tokens, device)
             outside = [outside_mass(logits, v, t) for v in vocabs]
             decodes.append({"name": prompt.name, "prompt_ids": prompt.ids, "tokens": gen.tokens, "outside": outside})

@@ -95,6 +95,16 @@ def sample_decode(target, prompt: list[int], max_new_tokens: int, stop_ids, devi
     return greedy_decode(target, prompt, max_new_tokens, stop_ids, device, rule=SampledRule(temperature, generator))
 
 
+def plain_decode(target, prompt: list[int], max_new_tokens: int, stop_ids, device: torch.device, *,
+                 temperature: float, seed: int) -> Generation:
+    """The target's own decode of ``prompt``: greedy at ``temperature`` 0, else plain sampling
+    from a generator seeded ``seed`` (the eval seeds prompt i's with its ``--seed`` + i)."""
+    if temperature <= 0:
+        return greedy_decode(target, prompt, max_new_tokens, stop_ids, device)
+    return sample_decode(target, prompt, max_new_tokens, stop_ids, device, temperature=temperature,
+                         generator=torch.Generator().manual_seed(seed))
+
+
 class SampledRule:
     """The T > 0 rule for ``speculative.speculative_decode`` (module docstring)."""
 
