@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from titan_draft.decoding.sampling import tempered_probs
+from titan_draft.decoding.speculative import begin_rounds, commit_rows
 from titan_draft.protocols.proposer import Proposer
 
 
@@ -56,26 +57,19 @@ def forced_first_tokens(target, proposer: Proposer, prompt: list[int], tokens: l
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (the first draft's q), got {temperature}")
     out = FirstTokens()
-    layers, need_last = proposer.capture_layers, proposer.needs_last_hidden
-    max_len = len(prompt) + len(tokens) + proposer.num_draft_tokens + 1
-    cache = target.new_cache(1, max_len)
-    proposer.reset(max_len)
-    proposer.set_sampling(temperature, generator)
-    inp = torch.tensor(prompt, device=device)
-    step = target(inp[None], layers, need_last, cache=cache, logits="last")
-    proposer.commit(inp, step.aux[0], step.last_hidden[0] if need_last else None)
+    cache, _ = begin_rounds(target, proposer, prompt, len(tokens), device, temperature, generator)
     for j in range(len(tokens) - 1):
         proposer.propose(tokens[j])
         if proposer.draft_probs is None:
             raise ValueError(f"{type(proposer).__name__} handed over no draft distribution at T = {temperature:g}")
-        q = proposer.draft_probs[0].to(device)
+        q = proposer.draft_probs[0]
         # the round's last token is forced to the decode's: the target reads it alone (the
         # loop's verify pass would read it with the drafts, then crop them)
         inp = torch.tensor([tokens[j]], device=device)
-        step = target(inp[None], layers, need_last, cache=cache, logits="all")
-        proposer.commit(inp, step.aux[0], step.last_hidden[0] if need_last else None)
+        step = target(inp[None], proposer.capture_layers, proposer.needs_last_hidden, cache=cache, logits="all")
+        commit_rows(proposer, inp, step, 1)
         p = tempered_probs(step.logits[0, -1], temperature)
-        q = q.to(p.dtype)
+        q = q.to(p)
         out.accept.append(float(torch.minimum(p, q).sum()))
         out.argmax_match.append(int(q.argmax()) == int(p.argmax()))
         out.target_top1.append(float(p.max()))

@@ -115,6 +115,27 @@ class GreedyRule:
         return m, chosen[: m + 1]
 
 
+def commit_rows(proposer: Proposer, inp: torch.Tensor, step, n: int) -> None:
+    """Give the draft the first ``n`` tokens of the target's pass ``step`` over ``inp`` and their
+    features (the final-norm hidden states too where the draft reads them)."""
+    proposer.commit(inp[:n], step.aux[0, :n], step.last_hidden[0, :n] if proposer.needs_last_hidden else None)
+
+
+def begin_rounds(target, proposer: Proposer, prompt: list[int], max_new_tokens: int, device: torch.device,
+                 temperature: float, generator: torch.Generator | None):
+    """A speculative decode's start: a target cache with room for the prompt, ``max_new_tokens``
+    and one round's drafts, the proposer reset and drafting at ``temperature``, the prompt read
+    by the target and committed to the draft. Returns ``(cache, the prefill's pass)``."""
+    max_len = len(prompt) + max_new_tokens + proposer.num_draft_tokens + 1
+    cache = target.new_cache(1, max_len)
+    proposer.reset(max_len)
+    proposer.set_sampling(temperature, generator)
+    inp = torch.tensor(prompt, device=device)
+    step = target(inp[None], proposer.capture_layers, proposer.needs_last_hidden, cache=cache, logits="last")
+    commit_rows(proposer, inp, step, len(prompt))
+    return cache, step
+
+
 @torch.no_grad()
 def speculative_decode(target, proposer: Proposer, prompt: list[int], max_new_tokens: int, stop_ids,
                        device: torch.device, rule=None) -> Generation:
@@ -123,15 +144,9 @@ def speculative_decode(target, proposer: Proposer, prompt: list[int], max_new_to
     rule = GreedyRule() if rule is None else rule
     stop = frozenset(stop_ids)
     layers, need_last = proposer.capture_layers, proposer.needs_last_hidden
-    max_len = len(prompt) + max_new_tokens + proposer.num_draft_tokens + 1
     _sync(device)
     start = time.perf_counter()
-    cache = target.new_cache(1, max_len)
-    proposer.reset(max_len)
-    proposer.set_sampling(rule.temperature, rule.generator)
-    inp = torch.tensor(prompt, device=device)
-    step = target(inp[None], layers, need_last, cache=cache, logits="last")
-    proposer.commit(inp, step.aux[0], step.last_hidden[0] if need_last else None)
+    cache, step = begin_rounds(target, proposer, prompt, max_new_tokens, device, rule.temperature, rule.generator)
     tokens, done = _cut([rule.first(step.logits[0, -1])], max_new_tokens, stop)
     out = Generation(tokens=tokens, wall_s=0.0)
     if max_new_tokens <= 0:
@@ -148,8 +163,7 @@ def speculative_decode(target, proposer: Proposer, prompt: list[int], max_new_to
         m, new = rule.verify(draft, step.logits[0], q)
         out.sampled_rounds += q is not None
         cache.crop(cache.length - (n - m))
-        proposer.commit(inp[: m + 1], step.aux[0, : m + 1],
-                        step.last_hidden[0, : m + 1] if need_last else None)
+        commit_rows(proposer, inp, step, m + 1)
         out.rounds += 1
         out.accepted.append(m)
         out.proposed.append(n)
