@@ -30,11 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from titan_draft.checkpoint.draft_source import load_draft_source  # noqa: E402
 from titan_draft.data.chat.prompts import stop_token_ids  # noqa: E402
 from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
+from titan_draft.decoding.eval_target import load_checked_target  # noqa: E402
 from titan_draft.decoding.evaluator import build_eval_draft  # noqa: E402
 from titan_draft.decoding.first_token import forced_first_tokens  # noqa: E402
 from titan_draft.decoding.sampling import plain_decode  # noqa: E402
 from titan_draft.eval import build_proposer, build_run_prompts, parse_proposer_options, resolve_device  # noqa: E402
-from titan_draft.features.target import load_target  # noqa: E402
 
 # buckets of the target's top-1 probability (at --temperature): equal certainty, compared across contexts
 EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 0.97, 1.0)
@@ -56,6 +56,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--proposer-option", action="append", default=[], metavar="KEY=VALUE",
                    help="as titan_draft.eval takes them; e.g. EAGLE-3's num_draft_tokens=1: only the first "
                         "token is read, and a chain of one costs a seventh of the default")
+    p.add_argument("--allow-target-mismatch", action="store_true",
+                   help="read the draft even next to a target other than the one its export records")
     p.add_argument("--out", default=None, help="JSON: the figures, and every position's terms per context")
     a = p.parse_args(argv)
     try:
@@ -108,7 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
     device, dtype = resolve_device(a.device), getattr(torch, a.dtype)
     try:
         spec, args, state, run = load_draft_source(a.draft, a.draft_name)
-        target = load_target(a.target, dtype=dtype, device=device)
+        target, _ = load_checked_target(a.target, [a.draft], dtype=dtype, device=device,
+                                        allow_mismatch=a.allow_target_mismatch)
         tokenizer = build_tokenizer(a.target)
         chat, prompts = build_run_prompts(run, tokenizer, a.prompts, a.num_prompts, key="the draft's chat_template")
         options = parse_proposer_options(a.proposer_option)

@@ -30,9 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from titan_draft.checkpoint.export import PROVENANCE_NAME, load_export  # noqa: E402
 from titan_draft.data.chat.prompts import stop_token_ids  # noqa: E402
 from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
+from titan_draft.decoding.eval_target import load_checked_target  # noqa: E402
 from titan_draft.decoding.sampling import plain_decode, tempered_probs  # noqa: E402
 from titan_draft.eval import build_run_prompts, resolve_device  # noqa: E402
-from titan_draft.features.target import load_target  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -48,6 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i (T > 0)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     p.add_argument("--device", default="auto")
+    p.add_argument("--allow-target-mismatch", action="store_true",
+                   help="read the drafts even next to a target other than the one their exports record")
     p.add_argument("--out", default=None, help="JSON: the figures, and each decode's tokens and masses per draft")
     a = p.parse_args(argv)
     try:
@@ -102,7 +104,11 @@ def main(argv: list[str] | None = None) -> dict:
     device = resolve_device(a.device)
     drafts = a.draft.split(",")
     read = [read_vocabulary(d) for d in drafts]
-    target = load_target(a.target, dtype=getattr(torch, a.dtype), device=device)
+    try:
+        target, _ = load_checked_target(a.target, drafts, dtype=getattr(torch, a.dtype), device=device,
+                                        allow_mismatch=a.allow_target_mismatch)
+    except ValueError as e:
+        raise SystemExit(f"vocab_mass: error: {e}") from None
     for d, (in_vocab, _) in zip(drafts, read):
         if in_vocab.numel() != target.args.vocab_size:
             raise SystemExit(f"vocab_mass: error: {d}: t2d covers {in_vocab.numel()} tokens, the target has "

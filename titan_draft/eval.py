@@ -30,19 +30,14 @@ import torch.distributed as dist
 
 from titan_draft.checkpoint.draft_source import load_draft_source
 from titan_draft.components.disk_full import disk_full_line, is_disk_full, write_atomic
-from titan_draft.checkpoint.export import TARGET_FACTS, build_target_record, recorded_target, target_mismatches
 from titan_draft.data.chat.format import resolve_chat_format
 from titan_draft.data.chat.prompts import load_eval_prompts, stop_token_ids
 from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.decoding.acceptance import evaluate
+from titan_draft.decoding.eval_target import load_checked_target
 from titan_draft.decoding.evaluator import build_eval_draft
 from titan_draft.decoding.greedy_cache import cache_setting, load_greedy_cache, save_greedy_cache
 from titan_draft.decoding.round_timing import breakdown_line, round_breakdown
-from titan_draft.features.target import load_target, read_hf_config
-from titan_draft.protocols.target_spec import (
-    get_target_spec,
-    target_spec_for_model_type,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -174,32 +169,6 @@ def build_proposer(spec, draft, options: dict):
         raise ValueError(f"--proposer-option: draft {spec.name!r} does not take {sorted(options)}: {e}") from None
 
 
-def target_architecture(path: str, backend: str = "native"):
-    """(architecture args, family) of the HF folder ``path``, read from its config.json alone."""
-    hf_config = read_hf_config(path, backend=backend)
-    spec = (get_target_spec("transformers") if backend == "transformers"
-            else target_spec_for_model_type(hf_config.get("model_type"), path))
-    return spec.args_from_hf_config(hf_config), spec.family
-
-
-def check_eval_target(a, recorded: dict | None, actual: dict) -> None:
-    """Refuse (ValueError) a target that differs from the one the export records, naming every
-    differing fact; with ``--allow-target-mismatch`` log them instead. An export without a record
-    is evaluated with a warning: nothing can be checked."""
-    if recorded is None:
-        if "table_fingerprint" not in actual:  # said once, at the first check
-            logger.warning(f"eval: {a.draft} records no target facts (a checkpoint folder, or an export older "
-                           "than the record): the target is not checked against the one it was trained for")
-        return
-    differences = target_mismatches({k: v for k, v in recorded.items() if k in actual}, actual)
-    if not differences:
-        return
-    line = f"--target: {a.target} is not the target {a.draft} was trained for: {'; '.join(differences)}"
-    if not a.allow_target_mismatch:
-        raise ValueError(f"{line} (pass --allow-target-mismatch to evaluate anyway)")
-    logger.warning(f"eval: {line}; evaluating anyway (--allow-target-mismatch)")
-
-
 def resolve_device(spec: str) -> torch.device:
     """``auto``: the GPU where there is one, else the CPU; any other value names the device."""
     if spec != "auto":
@@ -255,17 +224,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         options = parse_proposer_options(a.proposer_option)
         spec, args, state, run = load_draft_source(a.draft, a.draft_name)
-        recorded = recorded_target(a.draft)
-        backend = a.target_backend or run.get("target_backend", "native")
-        target_args, family = target_architecture(a.target, backend)
-        facts = {"family": family, **{k: getattr(target_args, k, None) for k in TARGET_FACTS[1:]}}
-        check_eval_target(a, recorded, facts)  # from config.json alone, before the weights load
-        target = load_target(a.target, dtype=dtype, device=device, backend=backend)
-        fingerprint = None
-        if recorded is not None or a.greedy_cache:  # the weights: only once they are loaded
-            fingerprint = build_target_record(target, target.args, target.family)["table_fingerprint"]
-        if recorded is not None:
-            check_eval_target(a, recorded, {"table_fingerprint": fingerprint})
+        target, fingerprint = load_checked_target(
+            a.target, [a.draft], dtype=dtype, device=device,
+            backend=a.target_backend or run.get("target_backend", "native"),
+            allow_mismatch=a.allow_target_mismatch, fingerprint=bool(a.greedy_cache))
         tokenizer = build_tokenizer(a.target)
         chat, prompts = build_run_prompts(
             run, tokenizer, a.prompts, a.num_prompts, chat_template=a.chat_template, system_prompt=a.system_prompt,

@@ -68,7 +68,7 @@ def test_a_target_with_another_layer_count_is_refused_before_it_loads(capsys, mo
     def no_load(*a, **k):
         raise AssertionError("the target was loaded before its architecture was checked")
 
-    monkeypatch.setattr("titan_draft.eval.load_target", no_load)
+    monkeypatch.setattr("titan_draft.decoding.eval_target.load_target", no_load)
     line = _refused(capsys, ["--target", other, "--draft", export_dir, *EVAL])
     assert line == (f"--target: {other} is not the target {export_dir} was trained for: num_hidden_layers: "
                     "export 6, target 4 (pass --allow-target-mismatch to evaluate anyway)")

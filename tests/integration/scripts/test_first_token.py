@@ -18,7 +18,7 @@ from titan_draft.decoding.evaluator import build_eval_draft
 from titan_draft.decoding.first_token import forced_first_tokens
 from titan_draft.decoding.sampling import speculative_sample
 from titan_draft.eval import build_proposer
-from titan_draft.features.target import load_target
+from titan_draft.features.target import load_target, write_random_target
 
 
 class Recording:
@@ -105,3 +105,16 @@ def test_bad_arguments_are_refused_in_one_line(random_target_dir, tmp_path):
         first_token.main(["--target", random_target_dir, "--draft", str(tmp_path), "--temperature", "0"])
     with pytest.raises(SystemExit, match="first_token: error: --draft"):
         first_token.main(["--target", random_target_dir, "--draft", str(tmp_path)])
+
+
+def test_a_target_the_export_was_not_trained_for_is_refused(exports, random_target_dir, tmp_path):
+    """The export records its target's frozen tables: another random target of the same shape is
+    refused in one line (as the eval refuses it), and read with --allow-target-mismatch."""
+    other = write_random_target(str(tmp_path / "other"), seed=123)
+    args = ["--target", other, "--draft", exports["eagle3"], "--device", "cpu", "--num-prompts", "1",
+            "--max-new-tokens", "3", "--contexts", "0", "--proposer-option", "num_draft_tokens=1"]
+    with pytest.raises(SystemExit) as e:
+        first_token.main(args)
+    assert str(e.value).startswith(f"first_token: error: --target: {other} is not the target "
+                                   f"{exports['eagle3']} was trained for: frozen tables") and "\n" not in str(e.value)
+    assert first_token.main([*args, "--allow-target-mismatch"])["contexts"]["0"]["positions"] > 0

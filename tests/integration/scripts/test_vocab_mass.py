@@ -81,6 +81,7 @@ def test_the_mass_outside_is_the_targets_own_along_its_decodes(tmp_path, random_
     ("temperature", "--temperatures 'x': expected numbers"),
     ("no_folder", "has no model.safetensors"),
     ("bad_prompts", "is not one of mtbench, holdout or an existing .jsonl file"),
+    ("other_target", "is not the target"),
 ])
 def test_what_it_cannot_measure_gets_one_line(tmp_path, random_target_dir, prompts, capsys, case, message):
     vocab = transformers.AutoConfig.from_pretrained(random_target_dir).vocab_size
@@ -89,6 +90,10 @@ def test_what_it_cannot_measure_gets_one_line(tmp_path, random_target_dir, promp
     if case == "other_chat":
         other = _export(tmp_path / "other", torch.ones(vocab, dtype=torch.bool))
         (tmp_path / "other" / "titan_draft_export.json").write_text(json.dumps({"run": {"chat_template": "chatml"}}))
+        draft = f"{draft},{other}"
+    if case == "other_target":  # the second export records a target of 99 layers: refused before any decode
+        other = _export(tmp_path / "other", torch.ones(vocab, dtype=torch.bool))
+        (tmp_path / "other" / "titan_draft_export.json").write_text(json.dumps({"target": {"num_hidden_layers": 99}}))
         draft = f"{draft},{other}"
     if case == "no_folder":
         draft = str(tmp_path / "nowhere")
