@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scripts.read_args import add_read_args, parse_temperatures  # noqa: E402
 from titan_draft.checkpoint.draft_source import load_draft_source  # noqa: E402
 from titan_draft.data.chat.prompts import stop_token_ids  # noqa: E402
 from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
@@ -42,30 +43,18 @@ EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 0.97, 1.0)
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python scripts/first_token.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="the target's HF folder")
-    p.add_argument("--draft", required=True, help="an export folder (or a DCP step folder, with --draft-name)")
+    add_read_args(p, draft_help="an export folder (or a DCP step folder, with --draft-name)")
     p.add_argument("--draft-name", default=None, help="draft name where the folder does not record it")
-    p.add_argument("--prompts", default="mtbench", help="eval prompts, as titan_draft.eval reads them")
-    p.add_argument("--num-prompts", type=int, default=0, help="per prompt source (0: all)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--contexts", default="0,1", help="comma-separated temperatures of the decodes read (0: greedy)")
     p.add_argument("--temperature", type=float, default=1.0, help="the acceptance rule's temperature (> 0)")
-    p.add_argument("--seed", type=int, default=0, help="prompt i's sampled decode uses seed + i")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
-    p.add_argument("--device", default="auto")
     p.add_argument("--proposer-option", action="append", default=[], metavar="KEY=VALUE",
                    help="as titan_draft.eval takes them; e.g. EAGLE-3's num_draft_tokens=1: only the first "
                         "token is read, and a chain of one costs a seventh of the default")
-    p.add_argument("--allow-target-mismatch", action="store_true",
-                   help="read the draft even next to a target other than the one its export records")
     p.add_argument("--out", default=None, help="JSON: the figures, and every position's terms per context")
     a = p.parse_args(argv)
-    try:
-        a.contexts = [float(t) for t in a.contexts.split(",")]
-    except ValueError:
-        raise SystemExit(f"first_token: error: --contexts {a.contexts!r}: expected numbers, e.g. 0,1") from None
-    if any(t < 0 for t in a.contexts) or a.temperature <= 0 or a.max_new_tokens < 2:
-        raise SystemExit("first_token: error: --contexts must be >= 0, --temperature > 0 and --max-new-tokens >= 2")
+    a.contexts = parse_temperatures(a.contexts, "--contexts", "first_token")
+    if a.temperature <= 0 or a.max_new_tokens < 2:
+        raise SystemExit("first_token: error: --temperature must be > 0 and --max-new-tokens >= 2")
     return a
 
 

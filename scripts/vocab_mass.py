@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scripts.read_args import add_read_args, parse_temperatures  # noqa: E402
 from titan_draft.checkpoint.export import PROVENANCE_NAME, load_export  # noqa: E402
 from titan_draft.data.chat.prompts import stop_token_ids  # noqa: E402
 from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
@@ -37,27 +38,14 @@ from titan_draft.eval import build_run_prompts, resolve_device  # noqa: E402
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python scripts/vocab_mass.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="the target's HF folder")
-    p.add_argument("--draft", required=True,
-                   help="export folders whose model.safetensors holds t2d, comma-separated: each read on the "
-                        "same decodes")
-    p.add_argument("--prompts", default="mtbench", help="eval prompts, as titan_draft.eval reads them")
-    p.add_argument("--num-prompts", type=int, default=0, help="per prompt source (0: all)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    add_read_args(p, draft_help="export folders whose model.safetensors holds t2d, comma-separated: each read "
+                                "on the same decodes")
     p.add_argument("--temperatures", default="0,1", help="comma-separated decoding temperatures")
-    p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i (T > 0)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--allow-target-mismatch", action="store_true",
-                   help="read the drafts even next to a target other than the one their exports record")
     p.add_argument("--out", default=None, help="JSON: the figures, and each decode's tokens and masses per draft")
     a = p.parse_args(argv)
-    try:
-        a.temperatures = [float(t) for t in a.temperatures.split(",")]
-    except ValueError:
-        raise SystemExit(f"vocab_mass: error: --temperatures {a.temperatures!r}: expected numbers, e.g. 0,1") from None
-    if any(t < 0 for t in a.temperatures) or a.max_new_tokens < 1:
-        raise SystemExit("vocab_mass: error: --temperatures must be >= 0 and --max-new-tokens >= 1")
+    a.temperatures = parse_temperatures(a.temperatures, "--temperatures", "vocab_mass")
+    if a.max_new_tokens < 1:
+        raise SystemExit("vocab_mass: error: --max-new-tokens must be >= 1")
     return a
 
 

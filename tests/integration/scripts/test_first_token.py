@@ -101,8 +101,12 @@ def test_the_script_summarizes_its_own_terms(tmp_path, exports, random_target_di
 
 
 def test_bad_arguments_are_refused_in_one_line(random_target_dir, tmp_path):
-    with pytest.raises(SystemExit, match="--temperature > 0"):
+    with pytest.raises(SystemExit, match="--temperature must be > 0"):
         first_token.main(["--target", random_target_dir, "--draft", str(tmp_path), "--temperature", "0"])
+    with pytest.raises(SystemExit, match="first_token: error: --contexts must be >= 0"):
+        first_token.main(["--target", random_target_dir, "--draft", str(tmp_path), "--contexts", "0,-1"])
+    with pytest.raises(SystemExit, match="first_token: error: --contexts 'a': expected numbers"):
+        first_token.main(["--target", random_target_dir, "--draft", str(tmp_path), "--contexts", "a"])
     with pytest.raises(SystemExit, match="first_token: error: --draft"):
         first_token.main(["--target", random_target_dir, "--draft", str(tmp_path)])
 
