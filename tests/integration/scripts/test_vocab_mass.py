@@ -87,13 +87,10 @@ def test_what_it_cannot_measure_gets_one_line(tmp_path, random_target_dir, promp
     vocab = transformers.AutoConfig.from_pretrained(random_target_dir).vocab_size
     draft = _export(tmp_path / "export", {"no_t2d": None, "short_t2d": torch.ones(7, dtype=torch.bool)}.get(
         case, torch.ones(vocab, dtype=torch.bool)))
-    if case == "other_chat":
+    if case in ("other_chat", "other_target"):  # a second export: another chat format, or a 99-layer target
         other = _export(tmp_path / "other", torch.ones(vocab, dtype=torch.bool))
-        (tmp_path / "other" / "titan_draft_export.json").write_text(json.dumps({"run": {"chat_template": "chatml"}}))
-        draft = f"{draft},{other}"
-    if case == "other_target":  # the second export records a target of 99 layers: refused before any decode
-        other = _export(tmp_path / "other", torch.ones(vocab, dtype=torch.bool))
-        (tmp_path / "other" / "titan_draft_export.json").write_text(json.dumps({"target": {"num_hidden_layers": 99}}))
+        record = {"run": {"chat_template": "chatml"}} if case == "other_chat" else {"target": {"num_hidden_layers": 99}}
+        (tmp_path / "other" / "titan_draft_export.json").write_text(json.dumps(record))
         draft = f"{draft},{other}"
     if case == "no_folder":
         draft = str(tmp_path / "nowhere")
