@@ -31,7 +31,7 @@ from scripts.read_args import add_read_args, parse_temperatures  # noqa: E402
 from titan_draft.checkpoint.draft_source import load_draft_source  # noqa: E402
 from titan_draft.data.chat.prompts import stop_token_ids  # noqa: E402
 from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
-from titan_draft.decoding.eval_target import load_checked_target  # noqa: E402
+from titan_draft.decoding.eval_target import load_checked_target, resolve_target_backend  # noqa: E402
 from titan_draft.decoding.evaluator import build_eval_draft  # noqa: E402
 from titan_draft.decoding.first_token import forced_first_tokens  # noqa: E402
 from titan_draft.decoding.sampling import plain_decode  # noqa: E402
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         spec, args, state, run = load_draft_source(a.draft, a.draft_name)
         target, _ = load_checked_target(a.target, [a.draft], dtype=dtype, device=device,
+                                        backend=resolve_target_backend(a.target_backend, [run]),
                                         allow_mismatch=a.allow_target_mismatch)
         tokenizer = build_tokenizer(a.target)
         chat, prompts = build_run_prompts(run, tokenizer, a.prompts, a.num_prompts, key="the draft's chat_template")

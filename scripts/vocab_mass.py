@@ -31,7 +31,7 @@ from scripts.read_args import add_read_args, parse_temperatures  # noqa: E402
 from titan_draft.checkpoint.export import PROVENANCE_NAME, load_export  # noqa: E402
 from titan_draft.data.chat.prompts import stop_token_ids  # noqa: E402
 from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
-from titan_draft.decoding.eval_target import load_checked_target  # noqa: E402
+from titan_draft.decoding.eval_target import load_checked_target, resolve_target_backend  # noqa: E402
 from titan_draft.decoding.sampling import plain_decode, tempered_probs  # noqa: E402
 from titan_draft.eval import build_run_prompts, resolve_device  # noqa: E402
 
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     read = [read_vocabulary(d) for d in drafts]
     try:
         target, _ = load_checked_target(a.target, drafts, dtype=getattr(torch, a.dtype), device=device,
+                                        backend=resolve_target_backend(a.target_backend, [r for _, r in read]),
                                         allow_mismatch=a.allow_target_mismatch)
     except ValueError as e:
         raise SystemExit(f"vocab_mass: error: {e}") from None

@@ -34,7 +34,7 @@ from titan_draft.data.chat.format import resolve_chat_format
 from titan_draft.data.chat.prompts import load_eval_prompts, stop_token_ids
 from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.decoding.acceptance import evaluate
-from titan_draft.decoding.eval_target import load_checked_target
+from titan_draft.decoding.eval_target import load_checked_target, resolve_target_backend
 from titan_draft.decoding.evaluator import build_eval_draft
 from titan_draft.decoding.greedy_cache import cache_setting, load_greedy_cache, save_greedy_cache
 from titan_draft.decoding.round_timing import breakdown_line, round_breakdown
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         spec, args, state, run = load_draft_source(a.draft, a.draft_name)
         target, fingerprint = load_checked_target(
             a.target, [a.draft], dtype=dtype, device=device,
-            backend=a.target_backend or run.get("target_backend", "native"),
+            backend=resolve_target_backend(a.target_backend, [run]),
             allow_mismatch=a.allow_target_mismatch, fingerprint=bool(a.greedy_cache))
         tokenizer = build_tokenizer(a.target)
         chat, prompts = build_run_prompts(

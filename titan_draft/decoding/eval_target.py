@@ -27,6 +27,19 @@ def target_architecture(path: str, backend: str = "native"):
     return spec.args_from_hf_config(hf_config), spec.family
 
 
+def resolve_target_backend(flag: str | None, runs: Sequence[dict]) -> str:
+    """How the target folder is run: ``flag`` where given, else the backend the drafts' training
+    runs recorded (``native`` where none did). Drafts whose runs recorded different backends need
+    the flag: which one to read them with is the user's choice, not the first draft's."""
+    if flag is not None:
+        return flag
+    recorded = {r["target_backend"] for r in runs if r.get("target_backend")}
+    if len(recorded) > 1:
+        raise ValueError("the drafts were trained with targets run by different backends "
+                         f"({', '.join(sorted(recorded))}): pass --target-backend")
+    return recorded.pop() if recorded else "native"
+
+
 def check_eval_target(draft: str, target: str, recorded: dict | None, actual: dict, *,
                       allow_mismatch: bool = False) -> None:
     """Refuse (ValueError) a target that differs from the one the export ``draft`` records, naming

@@ -14,6 +14,7 @@ import pytest
 from helpers import job_args, run_training
 
 from titan_draft.checkpoint.export import PROVENANCE_NAME, table_fingerprint
+from titan_draft.decoding.eval_target import resolve_target_backend
 from titan_draft.eval import main as eval_main
 from titan_draft.features.target import load_target, write_random_target
 from titan_draft.protocols.target_spec import get_target_spec
@@ -94,3 +95,13 @@ def test_a_full_disk_for_the_report_is_one_line(capsys, monkeypatch, export_dir,
     line = captured.err.strip().splitlines()[-1]
     assert line.startswith(f"titan_draft.eval: error: writing {out} failed: disk full on "), line
     assert not list(tmp_path.iterdir())  # no half-written report, no temporary file
+
+
+def test_the_backend_is_the_runs_unless_named_and_two_recorded_backends_need_the_flag():
+    """(Read end to end for a transformers-only family in tests/integration/train/test_hf_targets_e2e.py.)"""
+    assert resolve_target_backend(None, [{"target_backend": "transformers"}, {}]) == "transformers"
+    assert resolve_target_backend(None, [{}, {"target_backend": ""}]) == "native"
+    assert resolve_target_backend("native", [{"target_backend": "transformers"}]) == "native"
+    with pytest.raises(ValueError, match=r"^the drafts were trained with targets run by different backends "
+                                         r"\(native, transformers\): pass --target-backend$"):
+        resolve_target_backend(None, [{"target_backend": "transformers"}, {"target_backend": "native"}])

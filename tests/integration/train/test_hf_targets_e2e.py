@@ -10,6 +10,7 @@ import pytest
 from helpers import debug_job_argv
 from hf_folders import HF_ONLY_FAMILIES, write_hf_only_chat_target
 
+from scripts import first_token
 from titan_draft.config import ConfigManager
 from titan_draft.distributed.utils import destroy_distributed
 from titan_draft.eval import main as eval_main
@@ -53,3 +54,7 @@ def test_draft_trains_and_decodes_losslessly(tmp_path, chat_jsonl, hf_targets, f
                "--num-prompts", "2", "--max-new-tokens", "12", "--out", str(out)])
     summary = json.loads(out.read_text())["summary"]
     assert summary["lossless_prompts"] == 2
+    # so do the scripts that read a draft along the target's decodes (run natively, the folder is refused)
+    read = first_token.main(["--target", folder, "--draft", str(tmp_path / "export"), "--num-prompts", "1",
+                             "--max-new-tokens", "4", "--contexts", "0", "--device", "cpu"])
+    assert read["contexts"]["0"]["positions"] > 0
