@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import argparse
 
+from titan_draft.decoding.eval_target import add_target_backend_arg
+
 
 def add_read_args(p: argparse.ArgumentParser, *, draft_help: str) -> None:
     """``--target --target-backend --draft --prompts --num-prompts --max-new-tokens --seed --dtype
     --device --allow-target-mismatch``."""
     p.add_argument("--target", required=True, help="the target's HF folder")
-    p.add_argument("--target-backend", default=None, choices=["native", "transformers"],
-                   help="how the target folder is run (default: the draft's training run's, else native)")
+    add_target_backend_arg(p)
     p.add_argument("--draft", required=True, help=draft_help)
     p.add_argument("--prompts", default="mtbench", help="eval prompts, as titan_draft.eval reads them")
     p.add_argument("--num-prompts", type=int, default=0, help="per prompt source (0: all)")

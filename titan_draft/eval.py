@@ -34,7 +34,7 @@ from titan_draft.data.chat.format import resolve_chat_format
 from titan_draft.data.chat.prompts import load_eval_prompts, stop_token_ids
 from titan_draft.data.tokenizer import build_tokenizer
 from titan_draft.decoding.acceptance import evaluate
-from titan_draft.decoding.eval_target import load_checked_target, resolve_target_backend
+from titan_draft.decoding.eval_target import add_target_backend_arg, load_checked_target, resolve_target_backend
 from titan_draft.decoding.evaluator import build_eval_draft
 from titan_draft.decoding.greedy_cache import cache_setting, load_greedy_cache, save_greedy_cache
 from titan_draft.decoding.round_timing import breakdown_line, round_breakdown
@@ -50,8 +50,7 @@ def _parse(argv):
     p.add_argument("--num-prompts", type=int, default=0, help="per source (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=0, help="leave out longer prompts (0: keep all)")
-    p.add_argument("--target-backend", default=None, choices=["native", "transformers"],
-                   help="how the target folder is run (default: the training run's, else native)")
+    add_target_backend_arg(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="target and draft dtype (float32: the lossless check is exact)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda")

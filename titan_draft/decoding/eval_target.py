@@ -27,6 +27,14 @@ def target_architecture(path: str, backend: str = "native"):
     return spec.args_from_hf_config(hf_config), spec.family
 
 
+def add_target_backend_arg(p) -> None:
+    """``--target-backend`` of the eval and of the scripts that read a draft against its target,
+    resolved by ``resolve_target_backend``."""
+    p.add_argument("--target-backend", default=None, choices=["native", "transformers"],
+                   help="how the target folder is run (default: the backend the draft's training run recorded, "
+                        "else native)")
+
+
 def resolve_target_backend(flag: str | None, runs: Sequence[dict]) -> str:
     """How the target folder is run: ``flag`` where given, else the backend the drafts' training
     runs recorded (``native`` where none did). Drafts whose runs recorded different backends need
