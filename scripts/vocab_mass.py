@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.read_args import add_read_args, parse_temperatures  # noqa: E402
-from titan_draft.checkpoint.export import PROVENANCE_NAME, load_export  # noqa: E402
+from titan_draft.checkpoint.export import load_export, read_provenance  # noqa: E402
 from titan_draft.data.chat.prompts import stop_token_ids  # noqa: E402
 from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
 from titan_draft.decoding.eval_target import load_checked_target, resolve_target_backend  # noqa: E402
@@ -59,11 +59,10 @@ def read_vocabulary(folder: str) -> tuple[torch.Tensor, dict]:
     if "t2d" not in tensors:
         raise SystemExit(f"vocab_mass: error: {folder}: no t2d tensor (its draft proposes from the target's "
                          "whole vocabulary, nothing is left out)")
-    prov = os.path.join(folder, PROVENANCE_NAME)
-    if not os.path.isfile(prov):
-        return tensors["t2d"].bool(), {}
-    with open(prov) as f:
-        return tensors["t2d"].bool(), json.load(f).get("run", {})
+    try:
+        return tensors["t2d"].bool(), read_provenance(folder).get("run", {})
+    except ValueError as e:
+        raise SystemExit(f"vocab_mass: error: {e}") from None
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from titan_draft.checkpoint.export import PROVENANCE_NAME, load_export
+from titan_draft.checkpoint.export import PROVENANCE_NAME, load_export, read_provenance
 from titan_draft.checkpoint.model_args import MODEL_ARGS_NAME
 from titan_draft.protocols import get_model_spec
 
@@ -25,8 +25,10 @@ def load_draft_source(path: str, name: str | None) -> tuple:
     """``(spec, args, state_dict, run_info)`` of an export folder or a DCP step folder."""
     if os.path.isfile(os.path.join(path, "config.json")):
         tensors, config = load_export(path)
-        prov_path = os.path.join(path, PROVENANCE_NAME)
-        run = _read_json(prov_path).get("run", {}) if os.path.isfile(prov_path) else {}
+        try:
+            run = read_provenance(path).get("run", {})
+        except ValueError as e:
+            raise ValueError(f"--draft: {e}") from None
         name = name or run.get("draft", "").split("/")[0]
         if not name:
             raise ValueError(f"--draft: {path} has no {PROVENANCE_NAME} naming its draft; pass --draft-name")

@@ -223,23 +223,36 @@ def target_mismatches(recorded: dict, actual: dict) -> list[str]:
     return out
 
 
-def exported_step(folder: str) -> int | None:
-    """The training step an export folder holds (its provenance), None when there is none."""
+def read_provenance(folder: str) -> dict:
+    """The provenance an export folder keeps (its step, run info and target record), ``{}`` where
+    it keeps none (a DCP step folder, another tool's export). One that is there but unreadable is
+    a ``ValueError`` naming the file: what it records is checked against, never guessed."""
+    path = os.path.join(folder, PROVENANCE_NAME)
+    if not os.path.isfile(path):
+        return {}
     try:
-        with open(os.path.join(folder, PROVENANCE_NAME)) as f:
-            return json.load(f).get("step")
-    except (OSError, ValueError):
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"cannot read {path}: not a JSON object")
+    return record
+
+
+def exported_step(folder: str) -> int | None:
+    """The training step an export folder holds, None where it holds none or its provenance cannot
+    be read (the caller exports again: a half-written export is never taken for a finished one)."""
+    try:
+        return read_provenance(folder).get("step")
+    except ValueError:
         return None
 
 
 def recorded_target(folder: str) -> dict | None:
     """The target record (:func:`build_target_record`) an export folder keeps, None when it
     keeps none (a DCP step folder, an export written before the record existed, another tool's)."""
-    try:
-        with open(os.path.join(folder, PROVENANCE_NAME)) as f:
-            record = json.load(f).get("target")
-    except (OSError, ValueError):
-        return None
+    record = read_provenance(folder).get("target")
     return record if isinstance(record, dict) else None
 
 

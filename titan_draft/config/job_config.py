@@ -33,6 +33,10 @@ class Model:
     --model.args.num_anchors 256. Unknown names are errors."""
 
 
+# How a target folder can be run (`Target.backend`, the eval's --target-backend).
+TARGET_BACKENDS = ("native", "transformers")
+
+
 @dataclass
 class Target:
     path: str = ""

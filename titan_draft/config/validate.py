@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Any
 
-from titan_draft.config.job_config import JobConfig
+from titan_draft.config.job_config import TARGET_BACKENDS, JobConfig
 from titan_draft.config.sources import describe_source
 from titan_draft.data.chat.template import SUPPORTED_TEMPLATES
 
@@ -23,7 +23,7 @@ _CHOICES = {
     "training.mixed_precision_param": _DTYPES,
     "training.mixed_precision_reduce": _DTYPES,
     "target.dtype": _DTYPES,
-    "target.backend": ("native", "transformers"),
+    "target.backend": TARGET_BACKENDS,
     "checkpoint.export_dtype": _DTYPES,
     "optimizer.implementation": ("auto", "fused", "foreach", "for-loop"),
     "lr_scheduler.decay_type": ("cosine", "linear", "constant"),

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from titan_draft.checkpoint.export import TARGET_FACTS, build_target_record, recorded_target, target_mismatches
+from titan_draft.config.job_config import TARGET_BACKENDS
 from titan_draft.features.target import load_target, read_hf_config
 from titan_draft.protocols.target_spec import get_target_spec, target_spec_for_model_type
 
@@ -30,7 +31,7 @@ def target_architecture(path: str, backend: str = "native"):
 def add_target_backend_arg(p) -> None:
     """``--target-backend`` of the eval and of the scripts that read a draft against its target,
     resolved by ``resolve_target_backend``."""
-    p.add_argument("--target-backend", default=None, choices=["native", "transformers"],
+    p.add_argument("--target-backend", default=None, choices=TARGET_BACKENDS,
                    help="how the target folder is run (default: the backend the draft's training run recorded, "
                         "else native)")
 

@@ -13,6 +13,7 @@ import os
 import torch
 from torch import nn
 
+from titan_draft.config.job_config import TARGET_BACKENDS
 from titan_draft.config.sources import describe_source
 from titan_draft.features.synthetic import build_synthetic_target, is_synthetic_target
 from titan_draft.protocols import TargetFeatures
@@ -177,7 +178,7 @@ def load_target(path: str, *, dtype: torch.dtype = torch.bfloat16, device="cpu",
         # by its registered name: the engine does not import the backend's package
         return get_target_spec("transformers").load_folder(folder, dtype=dtype, device=_resolve_device(device), mesh=mesh)
     if backend != "native":
-        raise ValueError(f"target.backend: {backend!r} is not 'native' or 'transformers'")
+        raise ValueError(f"target.backend: {backend!r} is not one of {', '.join(TARGET_BACKENDS)}")
     hf_config = read_hf_config(folder)
     spec = target_spec_for_model_type(hf_config["model_type"], os.path.join(folder, "config.json"))
     args = spec.args_from_hf_config(hf_config)

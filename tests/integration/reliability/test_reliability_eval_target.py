@@ -14,7 +14,9 @@ import pytest
 from helpers import job_args, run_training
 
 from titan_draft.checkpoint.export import PROVENANCE_NAME, table_fingerprint
-from titan_draft.decoding.eval_target import resolve_target_backend
+from titan_draft.config.job_config import TARGET_BACKENDS, JobConfig
+from titan_draft.config.validate import validate_job_config
+from titan_draft.decoding.eval_target import add_target_backend_arg, resolve_target_backend
 from titan_draft.eval import main as eval_main
 from titan_draft.features.target import load_target, write_random_target
 from titan_draft.protocols.target_spec import get_target_spec
@@ -105,3 +107,20 @@ def test_the_backend_is_the_runs_unless_named_and_two_recorded_backends_need_the
     with pytest.raises(ValueError, match=r"^the drafts were trained with targets run by different backends "
                                          r"\(native, transformers\): pass --target-backend$"):
         resolve_target_backend(None, [{"target_backend": "transformers"}, {"target_backend": "native"}])
+
+
+def test_the_flag_takes_the_backends_a_job_config_takes(capsys):
+    """--target-backend and target.backend name the same backends: a draft trained with any
+    backend a job accepts can be read with the flag, and a name neither knows is refused."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="eval")
+    add_target_backend_arg(p)
+    for name in TARGET_BACKENDS:
+        assert p.parse_args(["--target-backend", name]).target_backend == name
+        cfg = JobConfig()
+        cfg.target.backend, cfg.target.path = name, "t"
+        validate_job_config(cfg)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--target-backend", "vllm"])
+    assert "invalid choice: 'vllm'" in capsys.readouterr().err

@@ -7,7 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from titan_draft.checkpoint.export import export_draft, load_export
+from titan_draft.checkpoint.export import (
+    PROVENANCE_NAME,
+    export_draft,
+    exported_step,
+    load_export,
+    read_provenance,
+    recorded_target,
+)
 
 
 class TinyDraft(nn.Module):
@@ -89,3 +96,22 @@ def test_non_rank0_writes_nothing_and_bad_inputs(tmp_path):
         export_draft(TinyDraft(), tiny_export_fn, {"hidden": 4}, {}, str(tmp_path / "y"), dtype="int8")
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_export(str(tmp_path))
+
+
+def test_provenance_is_read_back_and_an_unreadable_one_is_named(tmp_path):
+    out = export_draft(TinyDraft(), tiny_export_fn, {"hidden": 4}, {}, str(tmp_path / "e"),
+                       extra_config={"step": 7, "run": {"draft": "tiny"}, "target": {"family": "qwen3"}})
+    assert read_provenance(out)["run"] == {"draft": "tiny"}
+    assert exported_step(out) == 7 and recorded_target(out) == {"family": "qwen3"}
+    # none kept (a DCP step folder, another tool's export): nothing recorded, nothing to check
+    assert read_provenance(str(tmp_path)) == {} and recorded_target(str(tmp_path)) is None
+    path = os.path.join(out, PROVENANCE_NAME)
+    for text, why in (('{"step": 7, "tar', "Unterminated string"), ("[7]", "not a JSON object")):
+        with open(path, "w") as f:
+            f.write(text)
+        with pytest.raises(ValueError, match=rf"^cannot read {path}: .*{why}"):
+            read_provenance(out)
+        # the target it records is checked against, never skipped because the file broke
+        with pytest.raises(ValueError, match=rf"^cannot read {path}"):
+            recorded_target(out)
+        assert exported_step(out) is None  # so a run exports again rather than trusting it

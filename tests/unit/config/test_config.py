@@ -248,6 +248,7 @@ def test_compile_and_float8_without_static_shapes_warn(caplog):
     ("checkpoint__keep_latest_k", -1, "checkpoint.keep_latest_k"),
     ("training__mixed_precision_param", "fp8", "training.mixed_precision_param"),
     ("job__device", "tpu", "job.device"),
+    ("target__backend", "vllm", "target.backend"),
     ("target__capture_layers", [1, 1], "target.capture_layers"),
     ("optimizer__beta2", 1.5, "optimizer.beta2"),
 ])
