@@ -19,11 +19,22 @@ from models.dflash2.model import DFlash2Draft
 class DFlashProposer(BlockDecoder):
     """:class:`~titan_draft.protocols.proposer.Proposer` of a plain (unsharded, eval-mode)
     :class:`DFlash2Draft` with its frozen tables loaded (``graphs``, ``graph_commit``: as
-    :class:`BlockDecoder`'s)."""
+    :class:`BlockDecoder`'s).
+
+    Args:
+        outside_candidates: at T > 0, a DFlash2 slot's q keeps the unary's probability outside the
+            selector's top-K candidates, and the candidates share the unary's top-K mass as the
+            selector distributes it; False: q is the selector's distribution, zero outside the
+            candidates. (T = 0 walks the candidates either way.)
+    """
 
     def __init__(self, draft: DFlash2Draft, max_len: int = 0, graphs: bool | None = None,
-                 graph_commit: bool | None = None):
+                 graph_commit: bool | None = None, outside_candidates: bool = False):
+        if outside_candidates and not draft.args.selector_enabled:
+            raise ValueError("outside_candidates: this draft has no candidate selector (plain DFlash samples "
+                             "the whole vocabulary already)")
         super().__init__(draft, graphs, graph_commit)
+        self.outside_candidates = outside_candidates
         a = draft.args
         self.num_draft_tokens = a.block_size - 1
         self.capture_layers = list(a.target_layer_ids)
@@ -56,14 +67,23 @@ class DFlashProposer(BlockDecoder):
         """Walk over each slot's unary top-K: the pick of slot k is slot k + 1's predecessor (the
         anchor is slot 1's), as in training's teacher-forced scores. Greedy at T = 0; sampling,
         each pick is drawn from the selector's tempered distribution over the candidates, which
-        is that slot's q (zero outside its candidates)."""
+        is that slot's q (zero outside its candidates, or the unary's there with
+        ``outside_candidates``)."""
         a = self.draft.args
         values, cands = logits.topk(a.selector_top_k, dim=-1)  # [b - 1, K]
         picks, probs = [], []
         prev = self._anchor
+        unary = self.sampler.probs(logits) if self.sampler.sampling and self.outside_candidates else None
         for k in range(hidden.shape[0]):
             scores = self.draft.candidate_selector(hidden[k : k + 1], prev, cands[k : k + 1], values[k : k + 1])
-            if self.sampler.sampling:
+            if unary is not None:
+                # the selector reorders the unary's top-K mass; the rest of the vocabulary keeps
+                # the unary's own, so a target token outside the candidates can still be drafted
+                inside = unary[k].gather(0, cands[k]).sum()
+                q = unary[k].scatter(0, cands[k], self.sampler.probs(scores)[0] * inside)
+                prev = inverse_cdf_pick(q.unsqueeze(0), self.sampler.u[k : k + 1])
+                probs.append(q.to(logits.dtype))
+            elif self.sampler.sampling:
                 q = self.sampler.probs(scores)  # [1, K]
                 prev = cands[k].gather(0, inverse_cdf_pick(q, self.sampler.u[k : k + 1]))
                 probs.append(torch.zeros_like(logits[k]).scatter(0, cands[k], q[0].to(logits.dtype)))

@@ -66,10 +66,11 @@ def test_sampled_proposals_read_nothing_on_the_host():
     assert picks.shape == (4,)
 
     f = _dflash2_draft()
-    fprop = DFlashProposer(f)
-    run_rounds([fprop], 97, rounds=2)
-    _sampling(fprop, 0)
-    fprop._anchor.fill_(3)
-    with no_host_reads():
-        tokens, probs = fprop._propose()
-    assert tokens.shape == (f.args.block_size - 1,) and probs.shape == tokens.shape + (97,)
+    for outside in (False, True):  # q on the candidates alone, or the unary's outside them too
+        fprop = DFlashProposer(f, outside_candidates=outside)
+        run_rounds([fprop], 97, rounds=2)
+        _sampling(fprop, 0)
+        fprop._anchor.fill_(3)
+        with no_host_reads():
+            tokens, probs = fprop._propose()
+        assert tokens.shape == (f.args.block_size - 1,) and probs.shape == tokens.shape + (97,)

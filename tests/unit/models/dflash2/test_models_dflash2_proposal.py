@@ -226,3 +226,49 @@ def test_dflash2_selector_samples_its_chain(target):
         proposer.set_sampling(0.0)
         differs |= got != proposer.propose(anchor).tolist()
     assert differs
+
+
+@torch.no_grad()
+def test_dflash2_selector_samples_outside_its_candidates_on_request(target):
+    """``outside_candidates``: slot k's q is the unary softmax(z / T) outside its top-K, and on
+    the top-K the unary's mass there shared out by the selector's softmax(scores / T), the
+    previous DRAWN token (possibly a non-candidate) the predecessor; greedy is the walk as before."""
+    draft = _draft(target, "debugmodel")
+    a, sel = draft.args, draft.candidate_selector
+    with torch.no_grad():
+        sel.successor_codebook.normal_(0.0, 3.0)
+        sel.predecessor_codebook.normal_(0.0, 3.0)
+    ids = _ids(17)
+    proposer = DFlashProposer(draft, outside_candidates=True)
+    proposer.commit(ids[0, :16], target.capture(ids[:, :16], LAYERS, False)[0][0])
+    anchor, temp = int(ids[0, 16]), 2.0
+    hidden = proposer.block_hidden(anchor)[1:]
+    unary = _unary(draft, hidden)
+    outside_drawn = 0
+    for seed in range(8):
+        proposer.set_sampling(temp, torch.Generator().manual_seed(seed))
+        got = proposer.propose(anchor).tolist()
+        u = torch.rand(a.block_size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        prev = anchor
+        for k in range(a.block_size - 1):
+            p = torch.softmax(unary[k] / temp, dim=0)
+            vals, cands = unary[k].topk(a.selector_top_k)
+            query = sel.predecessor_codebook[prev] * (sel.hidden_projection.weight @ hidden[k])
+            qc = torch.softmax((vals + sel.successor_codebook[cands] @ query) / temp, dim=0)
+            want = p.clone()
+            want[cands] = qc * p[cands].sum()
+            torch.testing.assert_close(proposer.draft_probs[k], want, rtol=0, atol=1e-12)
+            assert abs(float(want.sum()) - 1.0) < 1e-12
+            assert got[k] == inverse_cdf(want, float(u[k]))
+            outside_drawn += got[k] not in cands.tolist()
+            prev = got[k]
+    assert outside_drawn > 0  # the draws did leave the candidates, and the chain went on from there
+    plain = DFlashProposer(draft)
+    plain.commit(ids[0, :16], target.capture(ids[:, :16], LAYERS, False)[0][0])
+    proposer.set_sampling(0.0)
+    assert proposer.propose(anchor).tolist() == plain.propose(anchor).tolist()
+
+
+def test_outside_candidates_needs_a_selector(target):
+    with pytest.raises(ValueError, match="^outside_candidates: this draft has no candidate selector"):
+        DFlashProposer(_draft(target, "dflash_debugmodel"), outside_candidates=True)
