@@ -25,16 +25,19 @@ class DFlashProposer(BlockDecoder):
         outside_candidates: at T > 0, a DFlash2 slot's q keeps the unary's probability outside the
             selector's top-K candidates, and the candidates share the unary's top-K mass as the
             selector distributes it; False: q is the selector's distribution, zero outside the
-            candidates. (T = 0 walks the candidates either way.)
+            candidates. None (the default): on wherever the draft has a selector. T = 0 walks
+            the candidates either way. On the 11-minute SmolLM2 recipe it lifts tau at T = 1 from
+            1.595 to 1.680 (docs/benchmarks/2026-12-06-dflash2-11min.md): with the target's
+            sampled token outside a slot's 16 candidates, q = 0 there can never draft it.
     """
 
     def __init__(self, draft: DFlash2Draft, max_len: int = 0, graphs: bool | None = None,
-                 graph_commit: bool | None = None, outside_candidates: bool = False):
+                 graph_commit: bool | None = None, outside_candidates: bool | None = None):
         if outside_candidates and not draft.args.selector_enabled:
             raise ValueError("outside_candidates: this draft has no candidate selector (plain DFlash samples "
                              "the whole vocabulary already)")
         super().__init__(draft, graphs, graph_commit)
-        self.outside_candidates = outside_candidates
+        self.outside_candidates = draft.args.selector_enabled if outside_candidates is None else outside_candidates
         a = draft.args
         self.num_draft_tokens = a.block_size - 1
         self.capture_layers = list(a.target_layer_ids)

@@ -196,15 +196,15 @@ def test_dflash_samples_each_slot_from_its_own_distribution(target):
 @torch.no_grad()
 def test_dflash2_selector_samples_its_chain(target):
     """At T > 0 slot k's pick is drawn from the selector's softmax(scores / T) over its unary
-    top-K, the previous slot's DRAWN token as the predecessor; q is that distribution on the
-    candidates and zero elsewhere."""
+    top-K, the previous slot's DRAWN token as the predecessor; with ``outside_candidates=False``
+    q is that distribution on the candidates and zero elsewhere."""
     draft = _draft(target, "debugmodel")
     a, sel = draft.args, draft.candidate_selector
     with torch.no_grad():
         sel.successor_codebook.normal_(0.0, 3.0)
         sel.predecessor_codebook.normal_(0.0, 3.0)
     ids = _ids(17)
-    proposer = DFlashProposer(draft)
+    proposer = DFlashProposer(draft, outside_candidates=False)
     proposer.commit(ids[0, :16], target.capture(ids[:, :16], LAYERS, False)[0][0])
     anchor, temp = int(ids[0, 16]), 2.0
     hidden = proposer.block_hidden(anchor)[1:]
@@ -229,17 +229,19 @@ def test_dflash2_selector_samples_its_chain(target):
 
 
 @torch.no_grad()
-def test_dflash2_selector_samples_outside_its_candidates_on_request(target):
-    """``outside_candidates``: slot k's q is the unary softmax(z / T) outside its top-K, and on
-    the top-K the unary's mass there shared out by the selector's softmax(scores / T), the
-    previous DRAWN token (possibly a non-candidate) the predecessor; greedy is the walk as before."""
+def test_dflash2_selector_samples_outside_its_candidates_by_default(target):
+    """``outside_candidates`` (the default with a selector): slot k's q is the unary
+    softmax(z / T) outside its top-K, and on the top-K the unary's mass there shared out by the
+    selector's softmax(scores / T), the previous DRAWN token (possibly a non-candidate) the
+    predecessor; greedy is the walk as before."""
     draft = _draft(target, "debugmodel")
     a, sel = draft.args, draft.candidate_selector
     with torch.no_grad():
         sel.successor_codebook.normal_(0.0, 3.0)
         sel.predecessor_codebook.normal_(0.0, 3.0)
     ids = _ids(17)
-    proposer = DFlashProposer(draft, outside_candidates=True)
+    proposer = DFlashProposer(draft)  # the default where the draft has a selector
+    assert proposer.outside_candidates
     proposer.commit(ids[0, :16], target.capture(ids[:, :16], LAYERS, False)[0][0])
     anchor, temp = int(ids[0, 16]), 2.0
     hidden = proposer.block_hidden(anchor)[1:]
@@ -263,12 +265,14 @@ def test_dflash2_selector_samples_outside_its_candidates_on_request(target):
             outside_drawn += got[k] not in cands.tolist()
             prev = got[k]
     assert outside_drawn > 0  # the draws did leave the candidates, and the chain went on from there
-    plain = DFlashProposer(draft)
+    plain = DFlashProposer(draft, outside_candidates=False)
     plain.commit(ids[0, :16], target.capture(ids[:, :16], LAYERS, False)[0][0])
     proposer.set_sampling(0.0)
     assert proposer.propose(anchor).tolist() == plain.propose(anchor).tolist()
 
 
 def test_outside_candidates_needs_a_selector(target):
+    plain = _draft(target, "dflash_debugmodel")
+    assert not DFlashProposer(plain).outside_candidates  # nothing to leave: it samples the vocabulary
     with pytest.raises(ValueError, match="^outside_candidates: this draft has no candidate selector"):
-        DFlashProposer(_draft(target, "dflash_debugmodel"), outside_candidates=True)
+        DFlashProposer(plain, outside_candidates=True)
