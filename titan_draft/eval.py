@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.out:
         try:
             write_atomic(a.out, json.dumps({"target": a.target, "draft": a.draft, "dtype": a.dtype,
-                                            "proposer_options": options, "greedy_from_cache": reused,
+                                            "proposer_options": options, "proposer_settings": proposer.settings,
+                                            "greedy_from_cache": reused,
                                             **report.to_json(), **({"round_ms": rounds} if rounds else {})},
                                            indent=2))
         except OSError as e:

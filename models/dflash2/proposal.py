@@ -44,6 +44,10 @@ class DFlashProposer(BlockDecoder):
         self.needs_last_hidden = False
         self.reset(max_len)
 
+    @property
+    def settings(self) -> dict:
+        return {"outside_candidates": self.outside_candidates}
+
     def propose(self, last_token: int) -> torch.Tensor:
         tokens, probs = self.run_proposal(last_token, self._propose)
         self.draft_probs = probs if self.sampler.sampling else None

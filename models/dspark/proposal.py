@@ -133,6 +133,11 @@ class DSparkProposer(BlockDecoder):
         """The whole proposal from the anchor, the length and the buffers (graph-safe)."""
         return self._chain(self.block_hidden())
 
+    @property
+    def settings(self) -> dict:
+        return {"decode_as": self.decode_as, "confidence_threshold": self.confidence_threshold,
+                "num_draft_tokens": self.num_draft_tokens}
+
     @torch.no_grad()
     def propose(self, last_token: int) -> torch.Tensor:
         tokens, logits, _, survival = self.run_proposal(last_token, self._propose)

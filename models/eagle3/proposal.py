@@ -192,6 +192,10 @@ class Eagle3Proposer:
         self._end_chain()
         return picks, logits
 
+    @property
+    def settings(self) -> dict:
+        return {"num_draft_tokens": self.num_draft_tokens}
+
     def propose(self, last_token: int) -> torch.Tensor:
         picks, logits = self.propose_with_logits(last_token)
         self.draft_probs = None

@@ -32,6 +32,11 @@ class Proposer(Protocol):
     needs_last_hidden: bool
     """Whether ``commit`` also receives the target's final-norm hidden states."""
 
+    settings: dict
+    """The decode-time choices that shape what it drafts, defaults resolved (e.g. how many tokens
+    a round drafts, how a sampled token is drawn): the eval's report records them, so two reports
+    say whether they decoded a draft the same way."""
+
     def reset(self, max_len: int) -> None:
         """Forget everything; the next sequence has at most ``max_len`` tokens."""
 

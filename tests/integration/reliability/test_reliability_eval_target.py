@@ -124,3 +124,15 @@ def test_the_flag_takes_the_backends_a_job_config_takes(capsys):
     with pytest.raises(SystemExit):
         p.parse_args(["--target-backend", "vllm"])
     assert "invalid choice: 'vllm'" in capsys.readouterr().err
+
+
+def test_the_report_records_how_the_draft_was_decoded(export_dir, random_target_dir, tmp_path):
+    """The proposer's settings, defaults resolved, beside the options given: a report made under
+    another default says so."""
+    for extra, outside in (((), True), (("--proposer-option", "outside_candidates=false"), False)):
+        out = tmp_path / f"report_{outside}.json"
+        eval_main(["--target", random_target_dir, "--draft", export_dir, *EVAL, "--temperature", "0.5",
+                   "--out", str(out), *extra])
+        report = json.loads(out.read_text())
+        assert report["proposer_settings"] == {"outside_candidates": outside}
+        assert report["proposer_options"] == ({} if outside else {"outside_candidates": False})
