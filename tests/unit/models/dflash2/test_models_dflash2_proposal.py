@@ -70,6 +70,31 @@ def _unary(draft, hidden):
     return a.final_logit_softcapping * torch.tanh(u / a.final_logit_softcapping) if a.final_logit_softcapping else u
 
 
+def _selector_case(target, **proposer_kw):
+    """``(draft, proposer, anchor, block hidden of slots 1.., their unary logits)``: a DFlash2
+    draft whose selector codebooks matter, its proposer committed to 16 tokens."""
+    draft = _draft(target, "debugmodel")
+    sel = draft.candidate_selector
+    with torch.no_grad():
+        sel.successor_codebook.normal_(0.0, 3.0)
+        sel.predecessor_codebook.normal_(0.0, 3.0)
+    ids = _ids(17)
+    proposer = DFlashProposer(draft, **proposer_kw)
+    proposer.commit(ids[0, :16], target.capture(ids[:, :16], LAYERS, False)[0][0])
+    anchor = int(ids[0, 16])
+    hidden = proposer.block_hidden(anchor)[1:]
+    return draft, proposer, anchor, hidden, _unary(draft, hidden)
+
+
+def _selector_q(draft, hidden, unary, prev: int, temp: float):
+    """``(candidates [K], the selector's softmax(scores / T) over them)`` of one slot, from the
+    definition: unary top-K value + successor code . (predecessor code * projected hidden)."""
+    sel = draft.candidate_selector
+    vals, cands = unary.topk(draft.args.selector_top_k)
+    query = sel.predecessor_codebook[prev] * (sel.hidden_projection.weight @ hidden)
+    return cands, torch.softmax((vals + sel.successor_codebook[cands] @ query) / temp, dim=0)
+
+
 @torch.no_grad()
 def test_dflash_proposes_each_slot_argmax(target):
     draft = _draft(target, "dflash_debugmodel", output_multiplier=0.7, final_logit_softcapping=3.0)
@@ -193,82 +218,43 @@ def test_dflash_samples_each_slot_from_its_own_distribution(target):
     assert proposer.propose(int(ids[0, 19])).tolist() == q.argmax(-1).tolist() and proposer.draft_probs is None
 
 
+@pytest.mark.parametrize("outside", [True, False])
 @torch.no_grad()
-def test_dflash2_selector_samples_its_chain(target):
-    """At T > 0 slot k's pick is drawn from the selector's softmax(scores / T) over its unary
-    top-K, the previous slot's DRAWN token as the predecessor; with ``outside_candidates=False``
-    q is that distribution on the candidates and zero elsewhere."""
-    draft = _draft(target, "debugmodel")
-    a, sel = draft.args, draft.candidate_selector
-    with torch.no_grad():
-        sel.successor_codebook.normal_(0.0, 3.0)
-        sel.predecessor_codebook.normal_(0.0, 3.0)
-    ids = _ids(17)
-    proposer = DFlashProposer(draft, outside_candidates=False)
-    proposer.commit(ids[0, :16], target.capture(ids[:, :16], LAYERS, False)[0][0])
-    anchor, temp = int(ids[0, 16]), 2.0
-    hidden = proposer.block_hidden(anchor)[1:]
-    unary = _unary(draft, hidden)
-    differs = False
-    for seed in range(6):
-        proposer.set_sampling(temp, torch.Generator().manual_seed(seed))
-        got = proposer.propose(anchor).tolist()
-        u = torch.rand(a.block_size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        prev = anchor
-        for k in range(a.block_size - 1):
-            vals, cands = unary[k].topk(a.selector_top_k)
-            query = sel.predecessor_codebook[prev] * (sel.hidden_projection.weight @ hidden[k])
-            qc = torch.softmax((vals + sel.successor_codebook[cands] @ query) / temp, dim=0)
-            want = torch.zeros(VOCAB, dtype=torch.float64).scatter(0, cands, qc)
-            torch.testing.assert_close(proposer.draft_probs[k], want, rtol=0, atol=1e-12)
-            assert got[k] == int(cands[inverse_cdf(qc, float(u[k]))])
-            prev = got[k]
-        proposer.set_sampling(0.0)
-        differs |= got != proposer.propose(anchor).tolist()
-    assert differs
-
-
-@torch.no_grad()
-def test_dflash2_selector_samples_outside_its_candidates_by_default(target):
-    """``outside_candidates`` (the default with a selector): slot k's q is the unary
-    softmax(z / T) outside its top-K, and on the top-K the unary's mass there shared out by the
-    selector's softmax(scores / T), the previous DRAWN token (possibly a non-candidate) the
-    predecessor; greedy is the walk as before."""
-    draft = _draft(target, "debugmodel")
-    a, sel = draft.args, draft.candidate_selector
-    with torch.no_grad():
-        sel.successor_codebook.normal_(0.0, 3.0)
-        sel.predecessor_codebook.normal_(0.0, 3.0)
-    ids = _ids(17)
-    proposer = DFlashProposer(draft)  # the default where the draft has a selector
-    assert proposer.outside_candidates
-    proposer.commit(ids[0, :16], target.capture(ids[:, :16], LAYERS, False)[0][0])
-    anchor, temp = int(ids[0, 16]), 2.0
-    hidden = proposer.block_hidden(anchor)[1:]
-    unary = _unary(draft, hidden)
-    outside_drawn = 0
+def test_dflash2_selector_samples_its_chain(target, outside):
+    """At T > 0 slot k's draw follows the selector's softmax(scores / T) over its unary top-K,
+    the previous slot's DRAWN token as the predecessor. ``outside_candidates`` (the default with a
+    selector): q is the unary softmax(z / T) outside the top-K, and on it the unary's mass there
+    shared out by the selector's distribution, so a draw can leave the candidates and the chain
+    goes on from it; False: q is the selector's distribution on the candidates, zero elsewhere.
+    Greedy is the candidates' walk either way."""
+    kw = {} if outside else {"outside_candidates": False}  # on by default where there is a selector
+    draft, proposer, anchor, hidden, unary = _selector_case(target, **kw)
+    assert proposer.outside_candidates == outside
+    a, temp = draft.args, 2.0
+    differs, left = False, 0
+    greedy = _selector_case(target, outside_candidates=False)[1].propose(anchor).tolist()
     for seed in range(8):
         proposer.set_sampling(temp, torch.Generator().manual_seed(seed))
         got = proposer.propose(anchor).tolist()
         u = torch.rand(a.block_size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
         prev = anchor
         for k in range(a.block_size - 1):
-            p = torch.softmax(unary[k] / temp, dim=0)
-            vals, cands = unary[k].topk(a.selector_top_k)
-            query = sel.predecessor_codebook[prev] * (sel.hidden_projection.weight @ hidden[k])
-            qc = torch.softmax((vals + sel.successor_codebook[cands] @ query) / temp, dim=0)
-            want = p.clone()
-            want[cands] = qc * p[cands].sum()
+            cands, qc = _selector_q(draft, hidden[k], unary[k], prev, temp)
+            if outside:
+                want = torch.softmax(unary[k] / temp, dim=0)
+                want[cands] = qc * want[cands].sum()
+                pick = inverse_cdf(want, float(u[k]))
+            else:
+                want = torch.zeros(VOCAB, dtype=torch.float64).scatter(0, cands, qc)
+                pick = int(cands[inverse_cdf(qc, float(u[k]))])
             torch.testing.assert_close(proposer.draft_probs[k], want, rtol=0, atol=1e-12)
-            assert abs(float(want.sum()) - 1.0) < 1e-12
-            assert got[k] == inverse_cdf(want, float(u[k]))
-            outside_drawn += got[k] not in cands.tolist()
+            assert abs(float(want.sum()) - 1.0) < 1e-12 and got[k] == pick
+            left += got[k] not in cands.tolist()
             prev = got[k]
-    assert outside_drawn > 0  # the draws did leave the candidates, and the chain went on from there
-    plain = DFlashProposer(draft, outside_candidates=False)
-    plain.commit(ids[0, :16], target.capture(ids[:, :16], LAYERS, False)[0][0])
+        differs |= got != greedy
+    assert differs and (left > 0) == outside  # draws, not the greedy chain; outside the candidates iff asked
     proposer.set_sampling(0.0)
-    assert proposer.propose(anchor).tolist() == plain.propose(anchor).tolist()
+    assert proposer.propose(anchor).tolist() == greedy
 
 
 def test_outside_candidates_needs_a_selector(target):
