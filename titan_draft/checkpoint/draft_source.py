@@ -3,10 +3,9 @@ folder (with its dump folder's ``model_args.json`` and ``run_info.json``)."""
 
 from __future__ import annotations
 
-import json
 import os
 
-from titan_draft.checkpoint.export import PROVENANCE_NAME, load_export, read_provenance
+from titan_draft.checkpoint.export import PROVENANCE_NAME, load_export, read_json_object, read_provenance
 from titan_draft.checkpoint.model_args import MODEL_ARGS_NAME
 from titan_draft.protocols import get_model_spec
 
@@ -15,10 +14,9 @@ RUN_INFO_NAME = "run_info.json"
 
 def _read_json(path: str) -> dict:
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--draft: cannot read {path}: {e}") from None
+        return read_json_object(path)
+    except ValueError as e:
+        raise ValueError(f"--draft: {e}") from None
 
 
 def load_draft_source(path: str, name: str | None) -> tuple:

@@ -223,13 +223,9 @@ def target_mismatches(recorded: dict, actual: dict) -> list[str]:
     return out
 
 
-def read_provenance(folder: str) -> dict:
-    """The provenance an export folder keeps (its step, run info and target record), ``{}`` where
-    it keeps none (a DCP step folder, another tool's export). One that is there but unreadable is
-    a ``ValueError`` naming the file: what it records is checked against, never guessed."""
-    path = os.path.join(folder, PROVENANCE_NAME)
-    if not os.path.isfile(path):
-        return {}
+def read_json_object(path: str) -> dict:
+    """The JSON object in ``path``; a ``ValueError`` naming the file where it cannot be read or
+    holds something else."""
     try:
         with open(path) as f:
             record = json.load(f)
@@ -238,6 +234,14 @@ def read_provenance(folder: str) -> dict:
     if not isinstance(record, dict):
         raise ValueError(f"cannot read {path}: not a JSON object")
     return record
+
+
+def read_provenance(folder: str) -> dict:
+    """The provenance an export folder keeps (its step, run info and target record), ``{}`` where
+    it keeps none (a DCP step folder, another tool's export). One that is there but unreadable is
+    a ``ValueError`` naming the file: what it records is checked against, never guessed."""
+    path = os.path.join(folder, PROVENANCE_NAME)
+    return read_json_object(path) if os.path.isfile(path) else {}
 
 
 def exported_step(folder: str) -> int | None:

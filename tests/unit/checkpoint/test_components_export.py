@@ -115,3 +115,21 @@ def test_provenance_is_read_back_and_an_unreadable_one_is_named(tmp_path):
         with pytest.raises(ValueError, match=rf"^cannot read {path}"):
             recorded_target(out)
         assert exported_step(out) is None  # so a run exports again rather than trusting it
+
+
+def test_a_draft_folder_with_unreadable_records_is_one_line(tmp_path):
+    """--draft read back: an export's provenance and a DCP step's run info go through one reader,
+    each failure one line naming the file."""
+    from titan_draft.checkpoint.draft_source import load_draft_source
+
+    out = export_draft(TinyDraft(), tiny_export_fn, {"hidden": 4}, {}, str(tmp_path / "e"))
+    with open(os.path.join(out, PROVENANCE_NAME), "w") as f:
+        f.write("{")
+    with pytest.raises(ValueError, match=rf"^--draft: cannot read {os.path.join(out, PROVENANCE_NAME)}: "):
+        load_draft_source(out, None)
+    step = tmp_path / "dump" / "checkpoint" / "step-3"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    (tmp_path / "dump" / "run_info.json").write_text("[1]")
+    with pytest.raises(ValueError, match=r"^--draft: cannot read .*run_info\.json: not a JSON object$"):
+        load_draft_source(str(step), None)
