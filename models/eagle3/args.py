@@ -22,6 +22,10 @@ class Eagle3Args(DecoderArgs):
     """Loss of step j is weighted step_decay ** j."""
     draft_vocab_size: int = 32000
     """Tokens the draft's lm_head predicts (the most frequent loss-masked training tokens)."""
+    train_lm_head: bool = True
+    """False: ``lm_head`` stays the target's own head rows of the draft vocabulary, frozen, as the
+    DFlash-family drafts read the target's head unchanged: an ablation of what training the head
+    adds (the export is the same shape and serves the same way)."""
     draft_vocab_file: str = ""
     """The d2t / t2d file (models/eagle3/vocab.py); empty: counted from the training data before
     training and written to job.dump_folder/draft_vocab.safetensors."""

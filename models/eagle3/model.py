@@ -90,7 +90,8 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    """Trainable: ``fc``, ``midlayer``, ``norm``, ``lm_head`` ([Vd, H]). Buffers: ``d2t``, ``t2d``
+    """Trainable: ``fc``, ``midlayer``, ``norm``, ``lm_head`` ([Vd, H]; frozen where
+    ``train_lm_head`` is false). Buffers: ``d2t``, ``t2d``
     (the draft vocabulary), ``target_embed`` / ``target_lm_head`` (frozen, not saved)."""
 
     def __init__(self, args: Eagle3Args):
@@ -103,6 +104,7 @@ class Eagle3Draft(nn.Module):
         self.midlayer = Eagle3Layer(args)
         self.norm = RMSNorm(h, args.rms_norm_eps)
         self.lm_head = nn.Linear(h, args.draft_vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(args.train_lm_head)
         self.register_buffer("d2t", torch.zeros(args.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(args.vocab_size, dtype=torch.bool))
         self.register_buffer("target_embed", torch.empty(0, h), persistent=False)

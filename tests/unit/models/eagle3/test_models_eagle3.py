@@ -142,6 +142,30 @@ def test_loss_and_gradient_equal_the_reference():
     assert {k for k in out.metrics} >= {"acc", "acc_0", "acc_2", "ce", "accept_len"}
 
 
+@pytest.mark.parametrize("train_head", [True, False])
+def test_a_frozen_head_stays_the_targets_rows_through_training(train_head):
+    """train_lm_head = false: the head is the target's rows of the draft vocabulary, gets no
+    optimizer state and does not move in a step, while the rest of the draft trains."""
+    from titan_draft.components.optimizer import build_optimizer
+    from titan_draft.config.job_config import Optimizer
+
+    torch.manual_seed(0)
+    d = Eagle3Draft(replace(ARGS, train_lm_head=train_head)).double()
+    d.init_weights()
+    g = torch.Generator().manual_seed(1)
+    d.load_frozen_tables(torch.randn(V, H, generator=g, dtype=torch.float64),
+                         torch.randn(V, H, generator=g, dtype=torch.float64))
+    start = {n: p.detach().clone() for n, p in d.named_parameters()}
+    assert torch.equal(start["lm_head.weight"], d.target_lm_head[d.draft_ids()])
+    opt = build_optimizer(d, Optimizer(lr=1e-2), "cpu")
+    d(_features()).loss_sum.backward()
+    opt.step()
+    moved = {n for n, p in d.named_parameters() if not torch.equal(p, start[n])}
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight"} <= moved
+    assert ("lm_head.weight" in moved) == train_head
+    assert any(p is d.lm_head.weight for group in opt.param_groups for p in group["params"]) == train_head
+
+
 def test_the_teacher_distribution_is_kept_for_backward_once():
     """Every TTT step reads the teacher's [B, S, Vd] distribution shifted by one more position.
     Kept for backward per step as a shifted copy, it would cost ttt_steps such tensors; as views
