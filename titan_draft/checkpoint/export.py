@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from titan_draft.components.disk_full import DiskFullError, disk_full_line, free_bytes, is_disk_full
+from titan_draft.components.json_file import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -221,19 +222,6 @@ def target_mismatches(recorded: dict, actual: dict) -> list[str]:
             what = "frozen tables (embedding / lm_head rows)" if key == "table_fingerprint" else key
             out.append(f"{what}: export {recorded[key]}, target {actual.get(key)}")
     return out
-
-
-def read_json_object(path: str) -> dict:
-    """The JSON object in ``path``; a ``ValueError`` naming the file where it cannot be read or
-    holds something else."""
-    try:
-        with open(path) as f:
-            record = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"cannot read {path}: not a JSON object")
-    return record
 
 
 def read_provenance(folder: str) -> dict:

@@ -106,13 +106,14 @@ def test_provenance_is_read_back_and_an_unreadable_one_is_named(tmp_path):
     # none kept (a DCP step folder, another tool's export): nothing recorded, nothing to check
     assert read_provenance(str(tmp_path)) == {} and recorded_target(str(tmp_path)) is None
     path = os.path.join(out, PROVENANCE_NAME)
-    for text, why in (('{"step": 7, "tar', "Unterminated string"), ("[7]", "not a JSON object")):
+    for text, why in (('{"step": 7, "tar', "not valid JSON: Unterminated string"),
+                      ("[7]", "expected a JSON object at the top level")):
         with open(path, "w") as f:
             f.write(text)
-        with pytest.raises(ValueError, match=rf"^cannot read {path}: .*{why}"):
+        with pytest.raises(ValueError, match=rf"^{path}: {why}"):
             read_provenance(out)
         # the target it records is checked against, never skipped because the file broke
-        with pytest.raises(ValueError, match=rf"^cannot read {path}"):
+        with pytest.raises(ValueError, match=rf"^{path}: {why}"):
             recorded_target(out)
         assert exported_step(out) is None  # so a run exports again rather than trusting it
 
@@ -125,11 +126,11 @@ def test_a_draft_folder_with_unreadable_records_is_one_line(tmp_path):
     out = export_draft(TinyDraft(), tiny_export_fn, {"hidden": 4}, {}, str(tmp_path / "e"))
     with open(os.path.join(out, PROVENANCE_NAME), "w") as f:
         f.write("{")
-    with pytest.raises(ValueError, match=rf"^--draft: cannot read {os.path.join(out, PROVENANCE_NAME)}: "):
+    with pytest.raises(ValueError, match=rf"^--draft: {os.path.join(out, PROVENANCE_NAME)}: not valid JSON: "):
         load_draft_source(out, None)
     step = tmp_path / "dump" / "checkpoint" / "step-3"
     step.mkdir(parents=True)
     (step / ".metadata").write_bytes(b"")
     (tmp_path / "dump" / "run_info.json").write_text("[1]")
-    with pytest.raises(ValueError, match=r"^--draft: cannot read .*run_info\.json: not a JSON object$"):
+    with pytest.raises(ValueError, match=r"^--draft: .*run_info\.json: expected a JSON object at the top level$"):
         load_draft_source(str(step), None)

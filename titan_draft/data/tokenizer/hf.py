@@ -41,7 +41,6 @@ import base64
 import binascii
 import dataclasses
 import functools
-import json
 
 import tiktoken
 
@@ -153,19 +152,6 @@ class TokenizerFiles:
     pad_token: str | None = None
     missing_bytes: bytes = b""
     chat_template: str | None = None
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object at the top level")
-    return data
 
 
 def load_tiktoken_ranks(path: str) -> dict[bytes, int]:

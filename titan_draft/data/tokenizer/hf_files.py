@@ -13,12 +13,12 @@ import dataclasses
 import glob
 import os
 
+from titan_draft.components.json_file import read_json_object
 from titan_draft.data.tokenizer.hf import (
     _TIKTOKEN_FAMILIES,
     TokenizerFiles,
     _check_specials_vs_ranks,
     _from_byte_level_table,
-    _read_json,
     bytes_to_unicode,
     check_ranks,
     check_unique_ids,
@@ -82,7 +82,7 @@ def hf_added_token_ids(vocab: dict[str, int], contents: list[str]) -> list[int]:
 
 
 def _read_tokenizer_json(path: str) -> TokenizerFiles:
-    data = _read_json(path)
+    data = read_json_object(path)
     model = data.get("model")
     if not isinstance(model, dict):
         raise ValueError(f"{path}: no 'model' section; not an HF tokenizer.json")
@@ -233,7 +233,7 @@ def _read_text(path: str) -> str:
 def _read_tokenizer_config(path: str, specials: dict[str, int], non_special: set[str]) -> dict:
     """Adds tokenizer_config.json's added tokens to ``specials``; returns its bos/eos/pad names
     and chat template as TokenizerFiles fields."""
-    cfg = _read_json(path)
+    cfg = read_json_object(path)
     decoder = cfg.get("added_tokens_decoder") or {}
     for key, entry in decoder.items():
         try:
