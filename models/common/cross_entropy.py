@@ -59,9 +59,18 @@ def _chunk_stats(z, labels, logit_scale: float, softcap: float, need_grad: bool)
     if not need_grad:
         return ce, argmax, None
     # d CE / d u = softmax(u) - onehot(label); 0 for rows without a label
-    vocab = torch.arange(u.shape[1], device=u.device)
-    onehot = (vocab[None, :] == safe[:, None]).to(acc_dtype)
-    grad_u = (torch.exp(u - lse[:, None]) - onehot) * valid[:, None].to(acc_dtype)
+    if torch.compiler.is_compiling():
+        # inductor fuses this into one pass over the chunk
+        vocab = torch.arange(u.shape[1], device=u.device)
+        onehot = (vocab[None, :] == safe[:, None]).to(acc_dtype)
+        grad_u = (torch.exp(u - lse[:, None]) - onehot) * valid[:, None].to(acc_dtype)
+    else:
+        # eager runs every op as its own pass over [c, V] (the CPU path): the softmax in place,
+        # then only the rows without a label and the labels' entries touched, by index
+        grad_u = torch.sub(u, lse[:, None]).exp_()
+        grad_u[~valid] = 0.0
+        rows = torch.arange(u.shape[0], device=u.device)
+        grad_u.index_put_((rows, safe), valid.to(acc_dtype).neg(), accumulate=True)
     grad_u = _chain(grad_u, z.to(acc_dtype), logit_scale, softcap)
     return ce, argmax, grad_u.to(z.dtype)
 

@@ -61,6 +61,28 @@ def test_chunked_ce_matches_unchunked_values_and_grads(scale, cap, topk_group):
     torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("scale,cap", [(1.0, 0.0), (1.7, 3.0)])
+def test_chunk_stats_compiled_form_equals_the_eager_one(scale, cap):
+    """CUDA compiles the per-chunk statistics (a fused softmax - onehot); eager (CPU) scatters the
+    labels' -1 in place. Both against float64 log_softmax's gradient, ignored rows included."""
+    from models.common.cross_entropy import _chunk_stats
+
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(9, 40, generator=g, dtype=torch.float64).requires_grad_(True)
+    labels = torch.randint(0, 40, (9,), generator=g)
+    labels[[2, 7]] = -100
+    u = z * scale
+    u = cap * torch.tanh(u / cap) if cap > 0 else u
+    ce_ref = -torch.log_softmax(u, -1).gather(1, labels.clamp(min=0)[:, None]).squeeze(1) * (labels >= 0)
+    (grad_ref,) = torch.autograd.grad(ce_ref.sum(), z)
+    compiled = torch.compile(_chunk_stats, backend="aot_eager", fullgraph=True, dynamic=False)
+    for stats in (_chunk_stats, compiled):
+        ce, argmax, grad = stats(z.detach(), labels, scale, cap, True)
+        torch.testing.assert_close(ce, ce_ref.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=1e-12)
+        assert torch.equal(argmax, u.argmax(-1)) and grad[2].abs().sum() == 0
+
+
 def test_chunked_ce_ce_only_grad_and_fp32_output():
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(10, 8, generator=g, dtype=torch.bfloat16, requires_grad=True)
