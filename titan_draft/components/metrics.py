@@ -248,9 +248,9 @@ class MetricsLogger:
     def log(self, step: int, scalars: dict[str, Any], total_steps: int) -> str | None:
         """Log ``scalars`` (floats or 0-d tensors) for ``step``; returns the console line on rank 0.
 
-        Known keys: loss, acc, accept_len, lr, grad_norm, tokens_per_s, samples_per_s, mfu (in %,
-        GPU only), data_wait_s, step_time_s (both per optimizer step). Other keys (acc_k, ...) go
-        to TensorBoard only.
+        Known keys: loss, acc, accept_len, lr, grad_norm, tokens_per_s, padding_fraction,
+        anchor_fill, samples_per_s, mfu (in %, GPU only), data_wait_s, step_time_s (both per
+        optimizer step). Other keys (acc_k, ...) go to TensorBoard only.
         """
         values = {k: float(v) for k, v in scalars.items() if v is not None}
         if self.device_type != "cuda" or self.peak_flops is None:
@@ -270,6 +270,9 @@ class MetricsLogger:
             ("grad_norm", "grad_norm {:.4f}"),
             ("tokens_per_s", "tok/s {:,.0f}"),
             ("padding_fraction", "pad {:.1%}"),
+            # drafts that train sampled anchors: the share of their (static) slots filled, so a
+            # num_anchors larger than the rows' candidates shows as compute spent on empty slots
+            ("anchor_fill", "anchors {:.0%}"),
             ("samples_per_s", "samples/s {:.2f}"),
             ("mfu", "mfu {:.2f}%"),
         ]

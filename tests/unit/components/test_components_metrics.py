@@ -22,16 +22,18 @@ def test_console_line_and_tensorboard(tmp_path, caplog):
     scalars = {
         "loss": 1.23456, "acc": 0.5, "accept_len": 2.75, "lr": 3e-4, "grad_norm": 0.875,
         "tokens_per_s": 12345.0, "samples_per_s": 6.25, "mfu": 40.0, "data_wait_s": 0.012,
-        "step_time_s": 0.12, "acc_3": 0.125,
+        "step_time_s": 0.12, "acc_3": 0.125, "anchor_fill": 0.354,
     }
     with caplog.at_level(logging.INFO, logger="titan_draft.components.metrics"):
         line = m.log(10, scalars, total_steps=100)
     assert line in caplog.text
     for piece in ["step 10/100", "loss 1.2346", "acc 0.5000", "accept_len 2.750", "lr 3.000e-04",
-                  "grad_norm 0.8750", "tok/s 12,345", "samples/s 6.25", "rss ", "data 12.0 ms (10.0%)",
+                  "grad_norm 0.8750", "tok/s 12,345", "anchors 35%", "samples/s 6.25", "rss ", "data 12.0 ms (10.0%)",
                   "eta 0:00:11"]:
         assert piece in line, (piece, line)
     assert "mfu" not in line  # CPU: no meaningful peak
+    plain = MetricsLogger(Metrics(log_freq=10, enable_tensorboard=False), str(tmp_path / "plain"), 0, "cpu")
+    assert "anchors" not in plain.log(10, {"loss": 1.0}, total_steps=100)  # only when a draft reports it
     assert "acc_3" not in line  # extra metrics go to TensorBoard only
     m.close()
 
