@@ -21,6 +21,11 @@ prompts at each temperature where all four were decoded, in a second table.
 seed): the mean of each draft's seeds, their range, and the order called only where every pairing
 of an A seed with a B seed is established on the prompts (a second training run moves tau by
 more than the prompt bootstrap can see).
+
+``--by-category`` splits the prompts by kind (MT-Bench's eight categories, ten questions each;
+other prompts by their source, ``holdout``, ...): each label's tau per category and its paired
+difference from the reference there, to tell a draft that is behind everywhere from one that
+leads on some kinds of prompt (say, code and math) and trails on others.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.compare_report import format_difference, format_positions, render_across_seeds  # noqa: E402
+from titan_draft.data.chat.prompts import mtbench_categories  # noqa: E402
 from titan_draft.decoding.tau_interval import (  # noqa: E402
     PromptMismatch,
     across_seeds,
@@ -158,6 +164,56 @@ def compare_across_seeds(reports: dict[str, dict[str, dict]], spec: str) -> list
         lambda t: across_seeds(*([reports[x][t]["prompts"] for x in arm] for arm in arms)))
 
 
+def prompt_category(name: str, mtbench: dict[str, str]) -> str:
+    """An eval prompt's kind: its MT-Bench category, else its source (``holdout:17`` -> holdout)."""
+    return mtbench.get(name) or name.rsplit(":", 1)[0]
+
+
+def by_category(reports: dict[str, dict[str, dict]], reference: str) -> list[dict]:
+    """Per temperature and prompt kind: every label's tau there and, paired on that kind's prompts,
+    its difference from ``reference``. Categories are read from the installed MT-Bench package only
+    when a report holds MT-Bench prompts."""
+    names = {p["name"] for by_t in reports.values() for rep in by_t.values() for p in rep["prompts"]}
+    mtbench = mtbench_categories() if any(n.startswith("mtbench:") for n in names) else {}
+    out = []
+    for t in sorted({t for by_t in reports.values() for t in by_t}, key=float):
+        at_t = {label: by_t[t] for label, by_t in reports.items() if t in by_t}
+        kinds = sorted({prompt_category(p["name"], mtbench) for rep in at_t.values() for p in rep["prompts"]})
+        for kind in kinds:
+            part = {label: [p for p in rep["prompts"] if prompt_category(p["name"], mtbench) == kind]
+                    for label, rep in at_t.items()}
+            entry = {"temperature": t, "category": kind, "labels": {}}
+            for label, prompts in part.items():
+                if not prompts:
+                    continue
+                cell = {"prompts": len(prompts), "tau": tau_interval(prompts)["tau"]}
+                if label != reference and part.get(reference):
+                    try:
+                        cell["vs_reference"] = paired_difference(prompts, part[reference])
+                    except PromptMismatch as e:
+                        cell["vs_reference"] = {"not_paired": str(e)}
+                entry["labels"][label] = cell
+            out.append(entry)
+    return out
+
+
+def render_by_category(entries: list[dict], reference: str) -> str:
+    """Markdown: one line per (temperature, category), each label's tau, and each other label's
+    paired difference from the reference."""
+    labels = list(dict.fromkeys(label for e in entries for label in e["labels"]))
+    others = [x for x in labels if x != reference]
+    head = ["T", "prompts", "category"] + [f"τ {x}" for x in labels] + [f"{x} − {reference} (paired)" for x in others]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for e in entries:
+        cells = e["labels"]
+        n = max(c["prompts"] for c in cells.values())
+        lines.append("| " + " | ".join(
+            [e["temperature"], str(n), e["category"]]
+            + [f"{cells[x]['tau']:.3f}" if x in cells else "–" for x in labels]
+            + [format_difference(cells.get(x, {}).get("vs_reference")) for x in others]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def render_diff_in_diff(entries: list[dict]) -> str:
     lines = ["| T | (τ A1 − τ A0) − (τ B1 − τ B0) | value (95 % interval) |", "| --- | --- | --- |"]
     for e in entries:
@@ -198,10 +254,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--across-seeds", action="append", default=[], metavar="A1+A2,B1+B2",
                    help="draft A (one label per training seed) against draft B: the seeds' means, and the order "
                         "where every pairing of an A seed with a B seed is established (repeatable)")
+    p.add_argument("--by-category", action="store_true",
+                   help="also each label's tau per kind of prompt (MT-Bench's categories; other prompts by "
+                        "source) and its paired difference from the reference there")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         reports = load_reports(a.reports)
         table = build_table(reports, a.reference or next(iter(reports)))
+        table["by_category"] = by_category(reports, table["reference"]) if a.by_category else []
         table["diff_in_diff"] = [e for spec in a.diff_in_diff for e in diff_in_diff(reports, spec)]
         table["across_seeds"] = [e for spec in a.across_seeds for e in compare_across_seeds(reports, spec)]
     except CompareError as e:
@@ -212,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
         text += "\n" + render_diff_in_diff(table["diff_in_diff"])
     if table["across_seeds"]:
         text += "\n" + render_across_seeds(table["across_seeds"])
+    if table["by_category"]:
+        text += "\n" + render_by_category(table["by_category"], table["reference"])
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)

