@@ -26,6 +26,10 @@ class Eagle3Args(DecoderArgs):
     """False: ``lm_head`` stays the target's own head rows of the draft vocabulary, frozen, as the
     DFlash-family drafts read the target's head unchanged: an ablation of what training the head
     adds (the export is the same shape and serves the same way)."""
+    soft_labels: bool = True
+    """True: each step's cross-entropy is against the target's next-token distribution over the
+    draft vocabulary (EAGLE-3's definition). False: against a one-hot of the target's argmax, the
+    label a block drafter trains on with greedy data: an ablation of what the distribution adds."""
     draft_vocab_file: str = ""
     """The d2t / t2d file (models/eagle3/vocab.py); empty: counted from the training data before
     training and written to job.dump_folder/draft_vocab.safetensors."""

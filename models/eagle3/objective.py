@@ -6,8 +6,9 @@ target's next-token distribution at position t + 1 + i, restricted to the draft 
 renormalized. A position is supervised at step i when x_{t+2+i} is a loss token inside the
 sequence and the target's own argmax there is in the draft vocabulary.
 
-Loss: ``sum_i decay**i * sum_t mask_i(t) * CE(p_i(t), q_i(t))``, normalized by the number of
-step-0 supervised positions (the trainer divides by it, reduced over micro-batches and ranks).
+Loss: ``sum_i decay**i * sum_t mask_i(t) * CE(p_i(t), q_i(t))`` (``soft_labels = false``: q a
+one-hot of the target's argmax), normalized by the number of step-0 supervised positions (the
+trainer divides by it, reduced over micro-batches and ranks).
 Metrics: per-step accuracy (draft argmax = target argmax) and the simulated acceptance length
 ``1 + sum_k prod_{i <= k} correct_i`` at each step-0 supervised position.
 
@@ -120,6 +121,9 @@ def ttt_objective(draft, f: TargetFeatures) -> DraftOutput:
     dtype = hidden.dtype
     acc_dtype = torch.promote_types(dtype, torch.float32)
     p, in_vocab, gold = teacher(draft, f.last_hidden, pad=a.ttt_steps)
+    if not a.soft_labels:  # the argmax alone; positions where it is no draft token train nothing
+        p = torch.zeros_like(p)
+        p[:, :seq].scatter_(-1, gold.unsqueeze(-1), 1.0)
     positions = torch.arange(seq, device=device).expand(bsz, seq)
     lengths = f.valid_lengths.to(device)
     packed = f.document_ids is not None

@@ -68,6 +68,14 @@ def _features(seed=2, seq=9):
                           last_hidden=torch.randn(2, seq, H, generator=g, dtype=torch.float64) * 2)
 
 
+def replace_args(d: Eagle3Draft, **changes) -> Eagle3Draft:
+    """``d`` with other args (the same weights): the reference reads ``d.args``."""
+    import copy
+    other = copy.copy(d)
+    other.args = replace(d.args, **changes)
+    return other
+
+
 def _rms(x, w, eps):
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
@@ -92,6 +100,8 @@ def _reference_loss(d: Eagle3Draft, f: TargetFeatures) -> tuple[torch.Tensor, to
         ids, n, seq = f.input_ids[b], int(f.valid_lengths[b]), f.input_ids.shape[1]
         zt = f.last_hidden[b] @ d.target_lm_head.t()
         p = torch.softmax(zt[:, used], -1)
+        if not a.soft_labels:
+            p = torch.nn.functional.one_hot(zt[:, used].argmax(-1), len(used)).double()
         in_vocab = d.t2d[zt.argmax(-1)]
         hidden = f.aux_hidden[b] @ P["fc.weight"].t()
         keys, values = [], []
@@ -128,10 +138,14 @@ def _reference_loss(d: Eagle3Draft, f: TargetFeatures) -> tuple[torch.Tensor, to
     return total, denom
 
 
-def test_loss_and_gradient_equal_the_reference():
+@pytest.mark.parametrize("soft_labels", [True, False])
+def test_loss_and_gradient_equal_the_reference(soft_labels):
     d, f = _draft(), _features()
+    d.args = replace(d.args, soft_labels=soft_labels)
     out = d(f)
     ref, denom = _reference_loss(d, f)
+    other, _ = _reference_loss(replace_args(d, soft_labels=not soft_labels), f)
+    assert abs(float(ref - other)) > 1e-3  # the two label forms differ on these features
     torch.testing.assert_close(out.loss_sum, ref, rtol=1e-10, atol=1e-10)
     assert out.loss_denominator == denom
     params = [p for p in d.parameters() if p.requires_grad]
