@@ -41,7 +41,10 @@ class DSparkArgs(BlockDiffusionArgs):
     confidence_head_with_markov: bool = True
     """The confidence head reads ``[h_k; W1[x_{k-1}]]`` (False: ``h_k`` only)."""
     ce_loss_weight: float = 0.1
-    """Weight of the cross-entropy against the data token."""
+    """Weight of the cross-entropy against the data token (``soft_labels``: the target's distribution)."""
+    soft_labels: bool = False
+    """True: the cross-entropy term is against the target's distribution at the slot's position
+    (as EAGLE-3 trains) instead of the data token; DSpark's definition is False."""
     l1_loss_weight: float = 0.9
     """Weight of ``sum_v |p_draft - p_target|`` (the target's distribution at the same position)."""
     confidence_loss_weight: float = 1.0

@@ -2,14 +2,16 @@
 
 Slot logits are ``z = lm_head(h) + W2 f`` (backbone plus Markov bias); the target's are
 ``lm_head(t)`` of its own final-norm hidden ``t`` at the same position. Per row this computes the
-CE against the data token, ``L1 = sum_v |softmax(z) - softmax(z_t)|`` and the argmax, ``chunk_rows``
-rows at a time: neither distribution is alive for more rows than that, and nothing of size
-``[N, V]`` is saved for backward. Since the weighted loss ``sum w (a CE + b L1)`` is linear in the
-per-row terms with weights known in forward, each chunk's gradient with respect to ``z`` is
-formed right there and reduced to the gradients of ``h`` ``[N, H]``, ``f`` ``[N, r]`` and ``W2``
+CE against the data token (``soft_labels``: against ``softmax(z_t)``),
+``L1 = sum_v |softmax(z) - softmax(z_t)|`` and the argmax, ``chunk_rows`` rows at a time:
+neither distribution is alive for more rows than that, and nothing of size ``[N, V]`` is saved for
+backward. Since the weighted loss ``sum w (a CE + b L1)`` is linear in the per-row terms with
+weights known in forward, each chunk's gradient with respect to ``z`` is formed right there and
+reduced to the gradients of ``h`` ``[N, H]``, ``f`` ``[N, r]`` and ``W2``
 ``[V, r]``; backward only scales them (no second lm_head pass).
 
-d CE / dz = p - onehot(label); with s = sign(p - p_t), d L1 / dz_j = p_j (s_j - sum_v p_v s_v).
+d CE / dz = p - onehot(label) (``soft_labels``: p - p_t); with s = sign(p - p_t),
+d L1 / dz_j = p_j (s_j - sum_v p_v s_v).
 
 The target's logits depend only on a row's position, and overlapping blocks put several rows on
 one position (512 blocks of 7 on 2048 positions: 3584 rows on <= 2048 positions a sequence).
@@ -62,16 +64,19 @@ def _softmax_lse(z):
 
 
 def _chunk_stats(z_head, z_markov, z_teacher, labels, weight, ce_weight: float, l1_weight: float,
-                 need_grad: bool, acc: torch.dtype, grad_dtype: torch.dtype):
+                 need_grad: bool, acc: torch.dtype, grad_dtype: torch.dtype, soft_labels: bool = False):
     """CE, L1, argmax, ``p_t(argmax)`` and (``need_grad``) ``d loss / d z`` in ``grad_dtype`` of one ``[c, V]``
     chunk, from the matmuls' outputs in the tables' dtype (``z = z_head + z_markov``, the
     target's ``z_teacher``) with statistics in ``acc`` (>= fp32). Compiled, the casts and the
-    sum are part of the passes over the chunk instead of five more [c, V] fp32 tensors."""
+    sum are part of the passes over the chunk instead of five more [c, V] fp32 tensors.
+    ``soft_labels``: the CE is against the target's distribution, ``lse - sum_v p_t z``, with
+    gradient ``p - p_t``, in place of the data token's ``lse - z[label]`` and ``p - onehot``."""
     z = z_head.to(acc) + z_markov.to(acc)
     zt = z_teacher.to(acc)
     p, lse = _softmax_lse(z)
     pt, _ = _softmax_lse(zt)
-    ce = lse.squeeze(-1) - z.gather(1, labels[:, None]).squeeze(1)
+    gold = (pt * z).sum(dim=-1) if soft_labels else z.gather(1, labels[:, None]).squeeze(1)
+    ce = lse.squeeze(-1) - gold
     diff = p - pt
     l1 = diff.abs().sum(dim=-1)
     argmax = z.argmax(dim=-1)
@@ -80,7 +85,7 @@ def _chunk_stats(z_head, z_markov, z_teacher, labels, weight, ce_weight: float, 
         return ce, l1, argmax, None, pt_argmax
     sign = torch.sign(diff)
     g_l1 = p * (sign - (p * sign).sum(dim=-1, keepdim=True))
-    g_ce = p.scatter_add(1, labels[:, None], torch.full_like(p[:, :1], -1.0))
+    g_ce = p - pt if soft_labels else p.scatter_add(1, labels[:, None], torch.full_like(p[:, :1], -1.0))
     grad_z = weight[:, None] * (ce_weight * g_ce + l1_weight * g_l1)
     return ce, l1, argmax, grad_z.to(grad_dtype), pt_argmax
 
@@ -147,7 +152,7 @@ def _teacher_logits(teacher, teacher_index, lm_head, s: int, e: int, span):
 class _MarkovDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, feats, w2, lm_head, teacher, teacher_index, labels, weight, ce_weight, l1_weight,
-                chunk_rows, spans):
+                chunk_rows, spans, soft_labels):
         n = hidden.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)
         need = any(ctx.needs_input_grad[:3])
@@ -175,7 +180,8 @@ class _MarkovDistill(torch.autograd.Function):
             span = spans[s // chunk_rows] if spans is not None else None
             z_teacher = _teacher_logits(teacher, teacher_index, lm_head, s, e, span)
             ce[s:e], l1[s:e], argmax[s:e], grad_z, pt_argmax[s:e] = stats(
-                z_head, fc @ w2.t(), z_teacher, labels[s:e], w[s:e], ce_weight, l1_weight, need, acc, grad_dtype)
+                z_head, fc @ w2.t(), z_teacher, labels[s:e], w[s:e], ce_weight, l1_weight, need, acc, grad_dtype,
+                soft_labels)
             del z_head, z_teacher
             if need:
                 grad_h[s:e] = (grad_z.to(lm_head.dtype) @ lm_head).to(acc)
@@ -195,7 +201,7 @@ class _MarkovDistill(torch.autograd.Function):
         dh, df, dw = ctx.dtypes
         g = g.to(grad_h.dtype)
         return ((g * grad_h).to(dh), (g * grad_f).to(df), (g * grad_w2).to(dw),
-                None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None)
 
 
 def markov_distill(
@@ -212,6 +218,7 @@ def markov_distill(
     chunk_rows: int = 2048,
     teacher_index: torch.Tensor | None = None,
     spans: Callable[[], list[tuple[int, int]]] | None = None,
+    soft_labels: bool = False,
 ) -> DistillOutput:
     """The weighted CE + L1 of DSpark's slot distributions (module docstring).
 
@@ -226,6 +233,8 @@ def markov_distill(
         spans: with ``teacher_index``, :func:`start_teacher_spans` of it, ``weight`` and
             ``chunk_rows``, started earlier (None: computed here, a device sync).
         labels: ``[N]`` int64 data tokens, all in ``[0, V)`` (rows without one get weight 0).
+        soft_labels: the CE term against the target's distribution at the row's position instead
+            of the data token (``labels`` are then not read by the loss).
         weight: ``[N]`` per-row loss weights (no gradient).
     """
     if lm_head.requires_grad or teacher.requires_grad or weight.requires_grad:
@@ -244,5 +253,5 @@ def markov_distill(
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     loss_sum, ce, l1, argmax, pt_argmax = _MarkovDistill.apply(
         hidden, feats, w2, lm_head, teacher, teacher_index, labels, weight, float(ce_weight), float(l1_weight),
-        int(chunk_rows), spans)
+        int(chunk_rows), spans, bool(soft_labels))
     return DistillOutput(loss_sum=loss_sum, ce=ce, l1=l1, argmax=argmax, teacher_at_argmax=pt_argmax)

@@ -115,7 +115,7 @@ def dspark_objective(draft, hidden: torch.Tensor, blocks: DraftBlocks, last_hidd
     out = markov_distill(rows, feats.reshape(bsz * n * b, -1), draft.markov_head.markov_w2.weight,
                          draft.target_lm_head, teacher, labels, w, ce_weight=a.ce_loss_weight,
                          l1_weight=a.l1_loss_weight, chunk_rows=a.ce_chunk_rows,
-                         teacher_index=teacher_rows(t.teacher_pos, seq), spans=spans)
+                         teacher_index=teacher_rows(t.teacher_pos, seq), spans=spans, soft_labels=a.soft_labels)
     loss_sum = out.loss_sum
     # the probability that the target accepts a draft sampled from p_d: sum_v min(p_d, p_t)
     accept = (1.0 - 0.5 * out.l1).clamp(0.0, 1.0)

@@ -193,7 +193,8 @@ def test_metrics_against_the_reference():
         assert (float(num), float(den)) == (per_slot[j][0], per_slot[j][1])
 
 
-def test_chunked_distill_equals_autograd_and_is_chunk_invariant():
+@pytest.mark.parametrize("soft_labels", [False, True])
+def test_chunked_distill_equals_autograd_and_is_chunk_invariant(soft_labels):
     g = torch.Generator().manual_seed(5)
     n = 11
     hidden = torch.randn(n, H, generator=g, dtype=torch.float64, requires_grad=True)
@@ -207,14 +208,16 @@ def test_chunked_distill_equals_autograd_and_is_chunk_invariant():
     grads = []
     for chunk in (3, 64):
         out = markov_distill(hidden, feats, w2, lm, teacher, labels, weight, ce_weight=0.3, l1_weight=0.7,
-                             chunk_rows=chunk)
+                             chunk_rows=chunk, soft_labels=soft_labels)
         (2.5 * out.loss_sum).backward()
         grads.append([t.grad.clone() for t in (hidden, feats, w2)])
         for t in (hidden, feats, w2):
             t.grad = None
     z = hidden @ lm.T + feats @ w2.T
     p, pt = torch.softmax(z, -1), torch.softmax(teacher @ lm.T, -1)
-    ce = torch.nn.functional.cross_entropy(z, labels, reduction="none")
+    # the soft form: cross-entropy against the target's distribution, autograd's own gradient
+    ce = (-(pt * torch.log_softmax(z, -1)).sum(-1) if soft_labels
+          else torch.nn.functional.cross_entropy(z, labels, reduction="none"))
     want = (weight * (0.3 * ce + 0.7 * (p - pt).abs().sum(-1))).sum()
     (2.5 * want).backward()
     assert out.loss_sum.item() == pytest.approx(want.item(), rel=1e-12)
