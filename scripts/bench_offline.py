@@ -147,7 +147,8 @@ def run_write(a) -> dict:
     args = resolve_model_args(spec, cfg, target.args, tok, chat)
     layers = sorted(set(spec.capture_layers_fn(args)))
     reserved = list(spec.reserved_tokens_fn(args)) if spec.reserved_tokens_fn else []
-    facts = job_facts(cfg, target.args, tok, chat, layers, spec.needs_last_hidden, reserved)
+    need_last = spec.needs_last_hidden_for(args)
+    facts = job_facts(cfg, target.args, tok, chat, layers, need_last, reserved)
     out = cfg.data.feature_cache
     os.makedirs(out, exist_ok=True)
     h = target.args.hidden_size
@@ -161,7 +162,7 @@ def run_write(a) -> dict:
                                                            seed=cfg.training.seed).usable_samples()):
         n = len(ids)
         aux = torch.cat([pool[(k + j) % a.seq:][:n] for j in range(len(layers))], -1)[None]
-        stored = to_storage(aux, pool[None, :n] if spec.needs_last_hidden else None, len(layers), a.storage)
+        stored = to_storage(aux, pool[None, :n] if need_last else None, len(layers), a.storage)
         writer.add(ids, mask, k, row_features(stored, 0, n, layers))
         rows += 1
     shards = writer.close()

@@ -187,7 +187,7 @@ def prepare(argv: list[str]) -> dict:
     chat = build_chat_format(cfg.data, tokenizer)
     model_args = resolve_model_args(spec, cfg, target.args, tokenizer, chat)
     layer_ids = sorted(set(spec.capture_layers_fn(model_args)))
-    need_last = spec.needs_last_hidden or a.last_hidden
+    need_last = spec.needs_last_hidden_for(model_args) or a.last_hidden
     reserved = list(spec.reserved_tokens_fn(model_args)) if spec.reserved_tokens_fn is not None else []
     facts = job_facts(cfg, target.args, tokenizer, chat, layer_ids, need_last, reserved)
     if a.estimate:

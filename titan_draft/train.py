@@ -84,12 +84,13 @@ class Trainer:
         self.chat = build_chat_format(cfg.data, self.tokenizer)  # resolved once, handed to everything that renders
         self.model_args = resolve_model_args(self.spec, cfg, self.target.args, self.tokenizer, self.chat)
         self.layer_ids = list(self.spec.capture_layers_fn(self.model_args))
+        self.needs_last_hidden = self.spec.needs_last_hidden_for(self.model_args)
         reserved = self.spec.reserved_tokens_fn
         self.reserved_tokens = list(reserved(self.model_args)) if reserved is not None else []
         # offline: a cache of other features is refused here, before the data pass and the model
         self.features_fn = self.features.bind(
             tokenizer=self.tokenizer, chat=self.chat, layer_ids=self.layer_ids,
-            need_last_hidden=self.spec.needs_last_hidden, reserved_ids=self.reserved_tokens,
+            need_last_hidden=self.needs_last_hidden, reserved_ids=self.reserved_tokens,
             dp_rank=self.dp_rank, dp_world=self.dp_world)
         if self.spec.prepare_fn is not None:  # a pass over the data before the model exists
             self.model_args = self.spec.prepare_fn(self.model_args, self._prepare_context())
@@ -108,7 +109,7 @@ class Trainer:
             reserved_ids=frozenset(self.reserved_tokens),
             warn_below_rows=10 * cfg.training.local_batch_size * cfg.training.grad_accum_steps,
             layer_ids=self.layer_ids,
-            need_last_hidden=self.spec.needs_last_hidden,
+            need_last_hidden=self.needs_last_hidden,
             pin_memory=on_gpu,
         )
         self.total_steps = self._total_steps()

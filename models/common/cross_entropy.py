@@ -75,9 +75,27 @@ def _chunk_stats(z, labels, logit_scale: float, softcap: float, need_grad: bool)
     return ce, argmax, grad_u.to(z.dtype)
 
 
+def _soft_chunk_stats(z, zt, labels, logit_scale: float, softcap: float, need_grad: bool):
+    """:func:`_chunk_stats` with the target's distribution ``p_t = softmax(softcap(scale * zt))``
+    as the label: CE ``lse(u) - sum_v p_t u`` and ``d CE / d u = softmax(u) - p_t``, 0 for rows
+    whose label is negative (their teacher row is not read)."""
+    acc_dtype = torch.promote_types(z.dtype, torch.float32)
+    u = transform_logits(z.to(acc_dtype), logit_scale, softcap)
+    pt = torch.softmax(transform_logits(zt.to(acc_dtype), logit_scale, softcap), dim=-1)
+    valid = (labels >= 0).to(acc_dtype)
+    lse = torch.logsumexp(u, dim=-1)
+    ce = (lse - (pt * u).sum(dim=-1)) * valid
+    argmax = u.argmax(dim=-1)
+    if not need_grad:
+        return ce, argmax, None
+    grad_u = (torch.exp(u - lse[:, None]) - pt) * valid[:, None]
+    return ce, argmax, _chain(grad_u, z.to(acc_dtype), logit_scale, softcap).to(z.dtype)
+
+
 # static shapes: a run has at most two chunk sizes (full and last), each compiled once (on first
 # call, like models.common.attention's compiled flex_attention)
 _compiled_chunk_stats = LazyCompiled(_chunk_stats, fullgraph=True, dynamic=False)
+_compiled_soft_chunk_stats = LazyCompiled(_soft_chunk_stats, fullgraph=True, dynamic=False)
 
 
 class _ChunkedCE(torch.autograd.Function):
@@ -88,11 +106,15 @@ class _ChunkedCE(torch.autograd.Function):
     fewer per step than recompute-in-backward, and one fewer pass over the logits)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_rows, top_k, topk_group, logit_scale, softcap):
+    def forward(ctx, hidden, weight, labels, chunk_rows, top_k, topk_group, logit_scale, softcap, teacher):
         n = hidden.shape[0]
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
         need_grad = ctx.needs_input_grad[0]
-        stats = _compiled_chunk_stats if hidden.device.type == "cuda" else _chunk_stats
+        cuda = hidden.device.type == "cuda"
+        if teacher is None:
+            stats = _compiled_chunk_stats if cuda else _chunk_stats
+        else:
+            soft = _compiled_soft_chunk_stats if cuda else _soft_chunk_stats
         ce = torch.empty(n, dtype=acc_dtype, device=hidden.device)
         argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
         topv = torch.empty(n, top_k, dtype=acc_dtype, device=hidden.device)
@@ -103,7 +125,12 @@ class _ChunkedCE(torch.autograd.Function):
             e = min(s + chunk_rows, n)
             # the matmul runs in the weight's dtype (bf16 tables on GPU); statistics in >= fp32
             z = hidden[s:e].to(weight.dtype) @ weight.t()
-            ce_c, argmax_c, grad_z = stats(z, labels[s:e], logit_scale, softcap, need_grad)
+            if teacher is None:
+                ce_c, argmax_c, grad_z = stats(z, labels[s:e], logit_scale, softcap, need_grad)
+            else:  # the target's logits of the same rows, through the same frozen head
+                zt = teacher[s:e].to(weight.dtype) @ weight.t()
+                ce_c, argmax_c, grad_z = soft(z, zt, labels[s:e], logit_scale, softcap, need_grad)
+                del zt
             ce[s:e] = ce_c
             argmax[s:e] = argmax_c
             if top_k > 0:
@@ -138,7 +165,7 @@ class _ChunkedCE(torch.autograd.Function):
                     g = g * logit_scale
                 rows = weight[topi[s:e]]  # [c, K, H]
                 grad_hidden[s:e] += torch.einsum("ck,ckh->ch", g.to(weight.dtype), rows).to(acc_dtype)
-        return grad_hidden.to(hidden_dtype), None, None, None, None, None, None, None
+        return grad_hidden.to(hidden_dtype), None, None, None, None, None, None, None, None
 
 
 def topk_by_group_max(z: torch.Tensor, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,8 +210,10 @@ def chunked_cross_entropy(
     topk_group: int = 0,
     logit_scale: float = 1.0,
     softcap: float = 0.0,
+    teacher: torch.Tensor | None = None,
 ) -> ChunkedCEOutput:
-    """Per-row CE of ``logits = softcap(logit_scale * hidden @ weight.T)`` against ``labels``.
+    """Per-row CE of ``logits = softcap(logit_scale * hidden @ weight.T)`` against ``labels``
+    (with ``teacher``, against the target's distribution at each row).
 
     Args:
         hidden: ``[N, H]`` rows (any float dtype; the gradient comes back in it).
@@ -196,6 +225,10 @@ def chunked_cross_entropy(
             groups of that many columns (same values).
         logit_scale: multiplier applied to the raw logits (``output_multiplier``).
         softcap: if > 0, ``softcap * tanh(logits / softcap)`` after the multiplier.
+        teacher: ``[N, H]`` the target's final-norm hidden state that predicts each row's label
+            (no gradient): the CE is then against ``softmax(softcap(logit_scale * teacher @
+            weight.T))``, the target's own distribution, instead of the label; a row with a
+            negative label still gets CE 0. The labels keep the argmax and top-k meaning.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -211,7 +244,11 @@ def chunked_cross_entropy(
     if logit_scale <= 0:
         # the top-k are taken on the raw logits, which needs an increasing transform
         raise ValueError(f"logit_scale must be positive, got {logit_scale}")
+    if teacher is not None and (teacher.shape != hidden.shape or teacher.requires_grad):
+        raise ValueError(f"chunked_cross_entropy: teacher {tuple(teacher.shape)} must be hidden's shape "
+                         f"{tuple(hidden.shape)} and need no gradient")
     ce, argmax, topv, topi = _ChunkedCE.apply(
-        hidden, weight, labels, int(chunk_rows), int(top_k), int(topk_group), float(logit_scale), float(softcap)
+        hidden, weight, labels, int(chunk_rows), int(top_k), int(topk_group), float(logit_scale), float(softcap),
+        teacher,
     )
     return ChunkedCEOutput(ce=ce, argmax=argmax, topk_values=topv, topk_indices=topi)

@@ -2,7 +2,7 @@
 
 from models.block_diffusion.spec import block_capture_layers as capture_layers
 from models.block_diffusion.spec import reserved_tokens, resolved_capture_layers
-from models.dflash2.args import DFlash2Args, dflash2_flavors, update_dflash2_args
+from models.dflash2.args import DFlash2Args, dflash2_flavors, reads_last_hidden, update_dflash2_args
 from models.dflash2.export import dflash2_from_export, export_dflash2
 from models.dflash2.flops import dflash2_flops
 from models.dflash2.model import DFlash2Draft
@@ -23,6 +23,7 @@ register_model_spec(
         export_fn=export_dflash2,
         flops_fn=dflash2_flops,
         needs_last_hidden=False,
+        needs_last_hidden_fn=reads_last_hidden,
         build_proposer_fn=DFlashProposer,
         from_export_fn=dflash2_from_export,
     )

@@ -36,6 +36,11 @@ class DFlash2Args(BlockDiffusionArgs):
     """Fraction of the total steps over which alpha ramps linearly to its value after warm-up."""
     selector_detach_unary: bool = False
     """Stop the selector CE's gradient through the unary logits."""
+    soft_labels: bool = False
+    """True: each slot's cross-entropy is against the target's distribution where it predicted the
+    slot's token (as EAGLE-3 trains), which makes the job capture the target's final-norm hidden
+    states (the whole target runs); False: against the data's token (DFlash's definition). The
+    selector trains on the data's token either way."""
     output_multiplier: float = 1.0
     """Logits = softcap(output_multiplier * lm_head(h)) (for CE, accuracy and the selector)."""
     final_logit_softcapping: float = 0.0
@@ -128,3 +133,8 @@ dflash2_flavors: dict[str, DFlash2Args] = {
 def update_dflash2_args(args: DFlash2Args, ctx) -> DFlash2Args:
     """The ModelSpec's ``update_args_fn`` (the backbone's, with these flavors as hints)."""
     return update_block_args(args, ctx, dflash2_flavors)
+
+
+def reads_last_hidden(args: DFlash2Args) -> bool:
+    """Whether training reads ``TargetFeatures.last_hidden``: only for ``soft_labels``."""
+    return bool(args.soft_labels)

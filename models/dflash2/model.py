@@ -76,6 +76,8 @@ class DFlash2Draft(BlockDiffusionDraft):
     def forward_with_anchors(self, features: TargetFeatures, anchors: torch.Tensor, keep: torch.Tensor) -> DraftOutput:
         """Forward for given ``anchors [B, N]`` / ``keep [B, N]`` (as from ``sample_anchors``)."""
         a = self.args
+        if a.soft_labels and features.last_hidden is None:
+            raise ValueError("DFlash2 with soft_labels needs the target's final-norm hidden states (needs_last_hidden)")
         hidden, blocks = self.block_hidden(features, anchors, keep)
         return dflash_objective(
             hidden,
@@ -89,4 +91,5 @@ class DFlash2Draft(BlockDiffusionDraft):
             selector_topk_group=a.selector_topk_group,
             selector_alpha=self.selector_alpha,
             detach_unary=a.selector_detach_unary,
+            teacher_hidden=features.last_hidden if a.soft_labels else None,
         )

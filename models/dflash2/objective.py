@@ -26,6 +26,7 @@ def dflash_objective(
     selector_topk_group: int = 0,
     selector_alpha: float = 0.0,
     detach_unary: bool = False,
+    teacher_hidden: torch.Tensor | None = None,
 ) -> DraftOutput:
     """Weighted CE of slots 1..b-1 through the frozen lm_head, plus the selector CE.
 
@@ -34,11 +35,21 @@ def dflash_objective(
     Selector rows whose gold token is outside the unary top-K get no selector loss (SpecForge's
     current choice; injecting the gold token would train scores for candidates the server never
     sees). Their miss is visible in ``topk_recall`` and counts as wrong in ``selector_acc``.
+    ``teacher_hidden [B, S, H]`` (the target's final-norm hidden states): each slot's CE is against
+    the target's distribution where it predicted the slot's token (position ``a_n + k - 1``)
+    instead of the token itself; accuracy and the selector still read the data's token.
     """
     bsz, n, b = blocks.labels.shape
     dim = hidden.shape[-1]
     rows = hidden.view(bsz, n, b, dim)[:, :, 1:].reshape(-1, dim)
     labels = blocks.labels[:, :, 1:].reshape(-1)
+    teacher = None
+    if teacher_hidden is not None:
+        last = teacher_hidden.shape[1] - 1
+        k = torch.arange(1, b, device=blocks.anchors.device)
+        # rows without a label (weight 0) read a clamped position; their term is never used
+        pos = (blocks.anchors[:, :, None] + k - 1).clamp(max=last).reshape(bsz, -1, 1)
+        teacher = teacher_hidden.detach().gather(1, pos.expand(-1, -1, dim)).reshape(-1, dim)
     out = chunked_cross_entropy(
         rows,
         lm_head_weight,
@@ -48,6 +59,7 @@ def dflash_objective(
         topk_group=selector_topk_group,
         logit_scale=logit_scale,
         softcap=softcap,
+        teacher=teacher,
     )
     acc_dtype = out.ce.dtype
     w = blocks.weight[:, :, 1:].reshape(-1).to(acc_dtype)

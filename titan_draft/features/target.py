@@ -13,6 +13,7 @@ import os
 import torch
 from torch import nn
 
+from titan_draft.components.model_args import user_model_args
 from titan_draft.config.job_config import TARGET_BACKENDS
 from titan_draft.config.sources import describe_source
 from titan_draft.features.synthetic import build_synthetic_target, is_synthetic_target
@@ -48,7 +49,8 @@ def check_target_config(cfg) -> None:
                                  "pip install transformers")
             check_job = get_target_spec("transformers").check_job
             if check_job is not None:  # the draft's needs decide what serving must match
-                check_job(hf_config, needs_teacher=get_model_spec(cfg.model.name).needs_last_hidden)
+                spec = get_model_spec(cfg.model.name)
+                check_job(hf_config, needs_teacher=spec.needs_last_hidden_for(user_model_args(spec, cfg)))
             hf_config = hf_config.get("text_config") or hf_config
         build_target_tokenizer(cfg, hf_config.get("vocab_size", 0))  # cached for the trainer
     elif not t.flavor:

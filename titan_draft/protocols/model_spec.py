@@ -14,7 +14,8 @@ A fourth draft is one folder ``models/<name>/`` whose ``__init__`` registers a M
   target's embedding and lm_head, kept out of every state dict), ``set_train_progress`` and
   ``forward(TargetFeatures, generator=) -> DraftOutput`` (a weighted loss *sum*, its
   denominator and metric sums; the trainer normalizes globally);
-- ``capture_layers_fn(args)``: the target layer ids the draft reads, and ``needs_last_hidden``;
+- ``capture_layers_fn(args)``: the target layer ids the draft reads, and ``needs_last_hidden``
+  (or ``needs_last_hidden_fn(args)`` where a setting decides);
 - ``parallelize_fn``: names the blocks and other trainable groups for
   ``distributed.parallelize.parallelize_blocks``; ``float8_skip`` the Linears kept out of float8
   (the trainer converts before ``parallelize_fn``);
@@ -130,6 +131,9 @@ class ModelSpec:
     """(model_args, batch_size, seq_len) -> model FLOPs of one training micro-step (fwd + bwd)."""
     needs_last_hidden: bool = False
     """Whether the draft consumes TargetFeatures.last_hidden."""
+    needs_last_hidden_fn: Callable[[Any], bool] | None = None
+    """(model args) -> whether it does, where a setting decides (DFlash2's ``soft_labels``);
+    None: ``needs_last_hidden``. Read through :meth:`needs_last_hidden_for`."""
     prepare_fn: Callable[[Any, PrepareContext], Any] | None = None
     """(resolved args, context) -> args: work on the training data before the model is built
     (EAGLE-3 counts its draft vocabulary here); runs on every DP rank."""
@@ -146,6 +150,11 @@ class ModelSpec:
     """(export tensors, export config.json) -> (model args, state dict): ``export_fn``'s inverse,
     so an exported draft can be evaluated."""
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def needs_last_hidden_for(self, args: Any) -> bool:
+        """Whether a draft with these args (flavor and [model.args] applied) reads the target's
+        final-norm hidden states."""
+        return self.needs_last_hidden_fn(args) if self.needs_last_hidden_fn is not None else self.needs_last_hidden
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

@@ -183,3 +183,22 @@ def test_llama3_target_trains_with_its_own_tokenizer_format_and_mask(tmp_path, c
         destroy_distributed()
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert json.dumps(config).count(f'"mask_token_id": {reserved0}') >= 1
+
+
+def test_a_setting_that_reads_the_targets_last_hidden_gets_it(tmp_path, chat_jsonl):
+    """DFlash2's soft_labels reads TargetFeatures.last_hidden: the job's features carry it (the
+    ModelSpec's needs_last_hidden_fn, not the constant) and a step trains on it."""
+    argv = _args(tmp_path, chat_jsonl, "--training.steps", "1", "--checkpoint.enable", "false",
+                 "--checkpoint.export", "false", "--model.args.soft_labels", "true")
+    trainer = Trainer(ConfigManager().parse_args(argv))
+    try:
+        assert trainer.needs_last_hidden and not trainer.spec.needs_last_hidden
+        batch = next(iter(trainer.dataloader))
+        features = trainer.features_fn(batch)
+        assert features.last_hidden is not None and features.last_hidden.shape[:2] == batch["input_ids"].shape
+        trainer.train_state.step = 1
+        trainer.train_step([batch])
+        assert all(p.grad is not None for n, p in trainer.model.named_parameters() if p.requires_grad)
+    finally:
+        trainer.close()
+        destroy_distributed()

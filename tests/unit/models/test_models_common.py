@@ -232,3 +232,47 @@ def test_topk_by_group_max_equals_torch_topk(dtype):
         chunked_cross_entropy(z[:, :8], torch.randn(10, 8, dtype=torch.float64), torch.zeros(4, dtype=torch.long),
                               top_k=2, topk_group=-1)
 
+
+
+@pytest.mark.parametrize("scale,cap", [(1.0, 0.0), (1.7, 3.0)])
+def test_chunked_ce_against_the_targets_distribution(scale, cap):
+    """``teacher``: each row's CE against softmax of the target's logits through the same head
+    and transform, gradient included; ignored rows get 0; the compiled per-chunk form equals the
+    eager one."""
+    from models.common.cross_entropy import _soft_chunk_stats
+
+    g = torch.Generator().manual_seed(4)
+    n, h, v = 23, 10, 40
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    teacher = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[[4, 11]] = -100
+    g_ce = torch.randn(n, generator=g, dtype=torch.float64)
+
+    def transform(z):
+        z = z * scale
+        return cap * torch.tanh(z / cap) if cap > 0 else z
+
+    h2 = hidden.clone().requires_grad_(True)
+    pt = torch.softmax(transform(teacher @ weight.t()), -1)
+    ref = -(pt * torch.log_softmax(transform(h2 @ weight.t()), -1)).sum(-1) * (labels >= 0)
+    (ref * g_ce).sum().backward()
+    for chunk in (5, 64):
+        h1 = hidden.clone().requires_grad_(True)
+        out = chunked_cross_entropy(h1, weight, labels, chunk_rows=chunk, top_k=3, logit_scale=scale, softcap=cap,
+                                    teacher=teacher)
+        (out.ce * g_ce).sum().backward()
+        torch.testing.assert_close(out.ce, ref.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-10, atol=1e-12)
+        assert out.ce[4] == 0 and torch.equal(out.argmax, transform(hidden @ weight.t()).argmax(-1))
+    # not the label's CE: the two differ on these rows
+    hard = chunked_cross_entropy(hidden, weight, labels, chunk_rows=64, logit_scale=scale, softcap=cap)
+    assert (hard.ce - out.ce).abs().max() > 0.1
+    z, zt = hidden @ weight.t(), teacher @ weight.t()
+    compiled = torch.compile(_soft_chunk_stats, backend="aot_eager", fullgraph=True, dynamic=False)
+    eager = _soft_chunk_stats(z, zt, labels, scale, cap, True)
+    for a, b in zip(eager, compiled(z, zt, labels, scale, cap, True)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="teacher"):
+        chunked_cross_entropy(hidden, weight, labels, teacher=teacher[:3])

@@ -178,6 +178,10 @@ def _reference(model, f, anchors, keep, alpha):
                 m = float(p < f.valid_lengths[i].item() and bool(f.loss_mask[i, min(p, S - 1)]))
                 w = m * math.exp(-(k - 1) / a.loss_gamma)
                 ce = -torch.log_softmax(logits[k], -1)[label]
+                if a.soft_labels:  # the target's distribution where it predicted x[p]
+                    zt = f.last_hidden[i, min(p - 1, S - 1)] @ lm_head.t() * a.output_multiplier
+                    pt = torch.softmax(a.final_logit_softcapping * torch.tanh(zt / a.final_logit_softcapping), -1)
+                    ce = -(pt * torch.log_softmax(logits[k], -1)).sum()
                 correct = float(logits[k].argmax().item() == label)
                 loss = loss + w * ce
                 add("ce", w * ce.detach(), w)
@@ -233,12 +237,16 @@ def test_negative_selector_topk_group_is_refused_at_build():
         DFlash2Draft(replace(ARGS, selector_topk_group=-1))
 
 
-@pytest.mark.parametrize("topk_group", [0, 4])
-def test_loss_metrics_and_grads_match_reference(topk_group):
-    # topk_group 4: the selector's candidates from the 2 best of 6 column groups (same values)
-    model = _model(replace(ARGS, selector_topk_group=topk_group))
+@pytest.mark.parametrize("topk_group,soft_labels", [(0, False), (4, False), (4, True)])
+def test_loss_metrics_and_grads_match_reference(topk_group, soft_labels):
+    # topk_group 4: the selector's candidates from the 2 best of 6 column groups (same values);
+    # soft_labels: each slot's CE against the target's distribution from its last_hidden
+    model = _model(replace(ARGS, selector_topk_group=topk_group, soft_labels=soft_labels))
     model.selector_alpha = 0.7
     f = _features()
+    if soft_labels:
+        g = torch.Generator().manual_seed(9)
+        f = replace(f, last_hidden=torch.randn(B, S, H, generator=g, dtype=torch.float64))
     anchors, keep = sample_anchors(
         f.loss_mask, f.valid_lengths, ARGS.num_anchors, False, torch.Generator().manual_seed(5)
     )
@@ -282,6 +290,15 @@ def test_loss_metrics_and_grads_match_reference(topk_group):
     g_ref = torch.autograd.grad(ref_loss, params)
     for name, a, r in zip(names, g_model, g_ref):
         torch.testing.assert_close(a, r, rtol=1e-8, atol=1e-10, msg=name)
+
+
+def test_soft_labels_need_the_targets_last_hidden_and_say_so():
+    from models.dflash2.args import reads_last_hidden
+
+    assert not reads_last_hidden(ARGS) and reads_last_hidden(replace(ARGS, soft_labels=True))
+    model = _model(replace(ARGS, soft_labels=True))
+    with pytest.raises(ValueError, match="soft_labels needs the target's final-norm hidden"):
+        model(_features(), generator=torch.Generator().manual_seed(5))
 
 
 def test_plain_dflash_matches_reference_and_has_no_extras():
