@@ -66,14 +66,15 @@ def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher(draft, last_hidden: torch.Tensor, chunk_rows: int = 2048, pad: int = 0):
+def teacher(draft, last_hidden: torch.Tensor, chunk_rows: int = 2048, pad: int = 0, soft: bool = True):
     """The target's next-token distribution at every position, restricted to the draft vocabulary:
     ``(p [B, S + pad, Vd] (fp32, fp64 for fp64 tables; the last ``pad`` positions are 0),
     in_vocab [B, S] bool (its full-vocabulary argmax is a draft token), argmax [B, S] (draft
     index))``, from the final-norm hidden through the frozen lm_head, chunked within each sample:
     no ``[B * S, V]`` logits are ever alive at once. The padding lets TTT step i read
     ``p[:, 1 + i : 1 + i + S]`` as a view, where a shifted copy would be one more ``[B, S, Vd]``
-    fp32 tensor per step, each kept for backward."""
+    fp32 tensor per step, each kept for backward. ``soft=False``: ``p`` holds a one-hot of the
+    argmax instead of the distribution (``soft_labels = false``)."""
     bsz, seq, _ = last_hidden.shape
     w, ids = draft.target_lm_head, draft.draft_ids()
     acc_dtype = torch.promote_types(w.dtype, torch.float32)
@@ -87,8 +88,11 @@ def teacher(draft, last_hidden: torch.Tensor, chunk_rows: int = 2048, pad: int =
             z = last_hidden[b, s:e].to(w.dtype) @ w.t()
             in_vocab[b, s:e] = draft.t2d[z.argmax(dim=-1)]
             zd = z[:, ids].to(acc_dtype)
-            p[b, s:e] = torch.softmax(zd, dim=-1)
             arg[b, s:e] = zd.argmax(dim=-1)
+            if soft:
+                p[b, s:e] = torch.softmax(zd, dim=-1)
+            else:  # the argmax alone; positions where it is no draft token train nothing
+                p[b, s:e].zero_().scatter_(-1, arg[b, s:e, None], 1.0)
     return p, in_vocab, arg
 
 
@@ -120,10 +124,7 @@ def ttt_objective(draft, f: TargetFeatures) -> DraftOutput:
     hidden = draft.fuse(f.aux_hidden)
     dtype = hidden.dtype
     acc_dtype = torch.promote_types(dtype, torch.float32)
-    p, in_vocab, gold = teacher(draft, f.last_hidden, pad=a.ttt_steps)
-    if not a.soft_labels:  # the argmax alone; positions where it is no draft token train nothing
-        p = torch.zeros_like(p)
-        p[:, :seq].scatter_(-1, gold.unsqueeze(-1), 1.0)
+    p, in_vocab, gold = teacher(draft, f.last_hidden, pad=a.ttt_steps, soft=a.soft_labels)
     positions = torch.arange(seq, device=device).expand(bsz, seq)
     lengths = f.valid_lengths.to(device)
     packed = f.document_ids is not None
