@@ -33,12 +33,10 @@ from titan_draft.data.chat.prompts import stop_token_ids  # noqa: E402
 from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
 from titan_draft.decoding.eval_target import load_checked_target, resolve_target_backend  # noqa: E402
 from titan_draft.decoding.evaluator import build_eval_draft  # noqa: E402
-from titan_draft.decoding.first_token import forced_first_tokens  # noqa: E402
+from titan_draft.decoding.first_token import TOP1_EDGES as EDGES, forced_first_tokens  # noqa: E402
 from titan_draft.decoding.sampling import plain_decode  # noqa: E402
 from titan_draft.eval import build_proposer, build_run_prompts, parse_proposer_options, resolve_device  # noqa: E402
 
-# buckets of the target's top-1 probability (at --temperature): equal certainty, compared across contexts
-EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 0.97, 1.0)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -27,6 +27,10 @@ from titan_draft.decoding.sampling import tempered_probs
 from titan_draft.decoding.speculative import begin_rounds, commit_rows
 from titan_draft.protocols.proposer import Proposer
 
+TOP1_EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 0.97, 1.0)
+"""Buckets of the target's top-1 probability: positions of equal certainty, compared across
+decodes and drafts (``scripts/first_token.py``, ``scripts/compare_first_token.py``)."""
+
 
 @dataclass
 class FirstTokens:
