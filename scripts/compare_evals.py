@@ -37,7 +37,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.compare_report import format_difference, format_positions, render_across_seeds  # noqa: E402
+from scripts.compare_report import (  # noqa: E402
+    format_difference,
+    format_positions,
+    render_across_seeds,
+    write_markdown,
+)
 from titan_draft.data.chat.prompts import mtbench_categories  # noqa: E402
 from titan_draft.decoding.tau_interval import (  # noqa: E402
     PromptMismatch,
@@ -274,11 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         text += "\n" + render_across_seeds(table["across_seeds"])
     if table["by_category"]:
         text += "\n" + render_by_category(table["by_category"], table["reference"])
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
-        with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
-            json.dump(table, f, indent=2)
+    write_markdown(a.out, text, table)
     print(text, end="")
 
 

@@ -28,7 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.compare_report import format_difference  # noqa: E402
+from scripts.compare_report import format_difference, write_markdown  # noqa: E402
 from titan_draft.decoding.first_token import TOP1_EDGES as EDGES  # noqa: E402
 from titan_draft.decoding.tau_interval import paired_contrast, paired_difference  # noqa: E402
 
@@ -197,11 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(2) from None
     table["mixes"] = mixes
     text = render(table, mixes)
-    if a.out:
-        with open(a.out, "w") as fh:
-            fh.write(text)
-        with open(os.path.splitext(a.out)[0] + ".json", "w") as fh:
-            json.dump(table, fh, indent=2)
+    write_markdown(a.out, text, table)
     print(text, end="")
     return table
 

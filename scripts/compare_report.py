@@ -210,6 +210,17 @@ def seed_comparisons(rows: list[dict], view: str) -> list[dict]:
     return _comparisons(rows, view, _group, across_seeds, lambda rs: [r["label"] for r in rs])
 
 
+def write_markdown(path: str | None, text: str, figures: dict) -> None:
+    """The markdown at ``path`` and the figures as JSON beside it (``table.md`` -> ``table.json``);
+    nothing without a path."""
+    if not path:
+        return
+    with open(path, "w") as f:
+        f.write(text)
+    with open(os.path.splitext(path)[0] + ".json", "w") as f:
+        json.dump(figures, f, indent=2)
+
+
 def format_difference(d: dict | None) -> str:
     """'+0.012 (-0.003 to +0.027)', ', established' where the interval excludes 0."""
     if d is None:
