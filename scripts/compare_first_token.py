@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.compare_report import format_difference, write_markdown  # noqa: E402
 from titan_draft.decoding.first_token import TOP1_EDGES as EDGES  # noqa: E402
+from titan_draft.decoding.first_token import top1_bucket  # noqa: E402
 from titan_draft.decoding.tau_interval import paired_contrast, paired_difference  # noqa: E402
 
 
@@ -75,19 +76,24 @@ def load(items: list[str], context: str) -> dict[str, list[dict]]:
 
 
 def bucket_of(x: float, edges) -> int:
-    for k, (lo, hi) in enumerate(zip(edges, edges[1:])):
-        if lo <= x < hi or (hi == edges[-1] and x == hi):
-            return k
-    raise CompareError(f"target top-1 {x} outside the buckets {edges[0]}..{edges[-1]}")
+    k = top1_bucket(x, edges)
+    if k is None:
+        raise CompareError(f"target top-1 {x} outside the buckets {edges[0]}..{edges[-1]}")
+    return k
 
 
-def per_prompt(decodes: list[dict], term: str, k: int | None, edges) -> list[dict]:
-    """Per prompt: the sum of ``term`` over its positions in bucket ``k`` (all with None) and their
-    count, as ``round_tokens`` / ``rounds``, so the paired bootstrap of tau_interval applies (its
-    figure is a ratio of sums over prompts, as an acceptance over positions is)."""
+def bucket_ids(decodes: list[dict], edges) -> list[list[int]]:
+    """Each prompt's positions' buckets, worked out once for every term and bucket read."""
+    return [[bucket_of(x, edges) for x in d["target_top1"]] for d in decodes]
+
+
+def per_prompt(decodes: list[dict], term: str, k: int | None, ids: list[list[int]]) -> list[dict]:
+    """Per prompt: the sum of ``term`` over its positions in bucket ``k`` (``ids``; all with None)
+    and their count, as ``round_tokens`` / ``rounds``, so the paired bootstrap of tau_interval
+    applies (its figure is a ratio of sums over prompts, as an acceptance over positions is)."""
     out = []
-    for d in decodes:
-        rows = [i for i, x in enumerate(d["target_top1"]) if k is None or bucket_of(x, edges) == k]
+    for d, buckets in zip(decodes, ids):
+        rows = [i for i, b in enumerate(buckets) if k is None or b == k]
         out.append({"name": d["name"], "round_tokens": sum(float(d[term][i]) for i in rows), "rounds": len(rows)})
     return out
 
@@ -102,13 +108,14 @@ def build_table(reports: dict[str, list[dict]], reference: str, edges=EDGES) -> 
     agreement, each other label's acceptance less the reference's (paired)."""
     if reference not in reports:
         raise CompareError(f"--reference {reference!r} is not one of the labels ({', '.join(reports)})")
+    ids = {x: bucket_ids(d, edges) for x, d in reports.items()}
     rows = []
     for k in [*range(len(edges) - 1), None]:
-        accept = {x: per_prompt(d, "accept", k, edges) for x, d in reports.items()}
+        accept = {x: per_prompt(d, "accept", k, ids[x]) for x, d in reports.items()}
         n = sum(p["rounds"] for p in accept[reference])
         row = {"bucket": "all" if k is None else [edges[k], edges[k + 1]], "positions": n, "labels": {}}
         for x, d in reports.items():
-            cell = {"accept": _mean(accept[x]), "argmax_match": _mean(per_prompt(d, "argmax_match", k, edges))}
+            cell = {"accept": _mean(accept[x]), "argmax_match": _mean(per_prompt(d, "argmax_match", k, ids[x]))}
             if x != reference and n:
                 cell["vs_reference"] = paired_difference(accept[x], accept[reference])
             row["labels"][x] = cell
@@ -134,7 +141,8 @@ def mix_weights(spec: str, edges=EDGES) -> tuple[str, list[float]]:
 def reweighted(reports: dict[str, list[dict]], reference: str, name: str, weights: list[float], edges=EDGES) -> dict:
     """Each label's acceptance with its buckets weighted by ``weights``, and each other label's
     difference from the reference so weighted, paired on the prompts (one resample for all buckets)."""
-    accept = {x: [per_prompt(d, "accept", k, edges) for k in range(len(weights))] for x, d in reports.items()}
+    ids = {x: bucket_ids(d, edges) for x, d in reports.items()}
+    accept = {x: [per_prompt(d, "accept", k, ids[x]) for k in range(len(weights))] for x, d in reports.items()}
     empty = [k for k, w in enumerate(weights) if w > 0 and not any(p["rounds"] for p in accept[reference][k])]
     if empty:
         raise CompareError(f"--mix {name}: bucket(s) {', '.join(str(edges[k]) for k in empty)} have positions "

@@ -33,7 +33,8 @@ from titan_draft.data.chat.prompts import stop_token_ids  # noqa: E402
 from titan_draft.data.tokenizer import build_tokenizer  # noqa: E402
 from titan_draft.decoding.eval_target import load_checked_target, resolve_target_backend  # noqa: E402
 from titan_draft.decoding.evaluator import build_eval_draft  # noqa: E402
-from titan_draft.decoding.first_token import TOP1_EDGES as EDGES, forced_first_tokens  # noqa: E402
+from titan_draft.decoding.first_token import TOP1_EDGES as EDGES  # noqa: E402
+from titan_draft.decoding.first_token import forced_first_tokens, top1_bucket  # noqa: E402
 from titan_draft.decoding.sampling import plain_decode  # noqa: E402
 from titan_draft.eval import build_proposer, build_run_prompts, parse_proposer_options, resolve_device  # noqa: E402
 
@@ -64,8 +65,9 @@ def summarize(terms: dict[str, list]) -> dict:
     """Means over all positions and per bucket of the target's top-1 probability."""
     top1 = terms["target_top1"]
     out = {"positions": len(top1), **{k: _mean([float(x) for x in v]) for k, v in terms.items()}, "buckets": []}
-    for lo, hi in zip(EDGES, EDGES[1:]):
-        rows = [i for i, x in enumerate(top1) if lo <= x < hi or (hi == EDGES[-1] and x == hi)]
+    buckets = [top1_bucket(x) for x in top1]
+    for k, (lo, hi) in enumerate(zip(EDGES, EDGES[1:])):
+        rows = [i for i, b in enumerate(buckets) if b == k]
         out["buckets"].append({"target_top1": [lo, hi], "positions": len(rows),
                                "accept": _mean([terms["accept"][i] for i in rows]),
                                "argmax_match": _mean([float(terms["argmax_match"][i]) for i in rows])})

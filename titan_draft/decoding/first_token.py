@@ -32,6 +32,15 @@ TOP1_EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 0.97, 1.0)
 decodes and drafts (``scripts/first_token.py``, ``scripts/compare_first_token.py``)."""
 
 
+def top1_bucket(x: float, edges=TOP1_EDGES) -> int | None:
+    """The index of the bucket of ``edges`` that holds ``x``: each holds its lower edge, the last
+    also its upper one; None outside them all."""
+    for k, (lo, hi) in enumerate(zip(edges, edges[1:])):
+        if lo <= x < hi or (hi == edges[-1] and x == hi):
+            return k
+    return None
+
+
 @dataclass
 class FirstTokens:
     """Per decoded position after the first (the first is the prefill's): lists of equal length."""
