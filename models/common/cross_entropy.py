@@ -27,6 +27,9 @@ class ChunkedCEOutput:
     """[N, K] the K largest logits per row, descending (K = 0 when not asked); differentiable."""
     topk_indices: torch.Tensor
     """[N, K] int64 vocabulary ids of ``topk_values``."""
+    teacher_topk: torch.Tensor | None = None
+    """[N, K] the target's probability of each of those K ids (with ``teacher`` and ``top_k``;
+    else None); not differentiable."""
 
 
 def transform_logits(z: torch.Tensor, logit_scale: float, softcap: float) -> torch.Tensor:
@@ -78,18 +81,21 @@ def _chunk_stats(z, labels, logit_scale: float, softcap: float, need_grad: bool)
 def _soft_chunk_stats(z, zt, labels, logit_scale: float, softcap: float, need_grad: bool):
     """:func:`_chunk_stats` with the target's distribution ``p_t = softmax(softcap(scale * zt))``
     as the label: CE ``lse(u) - sum_v p_t u`` and ``d CE / d u = softmax(u) - p_t``, 0 for rows
-    whose label is negative (their teacher row is not read)."""
+    whose label is negative (their teacher row is not read). Also returns the target's
+    logsumexp, from which any of its probabilities follows without another pass."""
     acc_dtype = torch.promote_types(z.dtype, torch.float32)
     u = transform_logits(z.to(acc_dtype), logit_scale, softcap)
-    pt = torch.softmax(transform_logits(zt.to(acc_dtype), logit_scale, softcap), dim=-1)
+    ut = transform_logits(zt.to(acc_dtype), logit_scale, softcap)
+    lse_t = torch.logsumexp(ut, dim=-1)
+    pt = torch.exp(ut - lse_t[:, None])
     valid = (labels >= 0).to(acc_dtype)
     lse = torch.logsumexp(u, dim=-1)
     ce = (lse - (pt * u).sum(dim=-1)) * valid
     argmax = u.argmax(dim=-1)
     if not need_grad:
-        return ce, argmax, None
+        return ce, argmax, None, lse_t
     grad_u = (torch.exp(u - lse[:, None]) - pt) * valid[:, None]
-    return ce, argmax, _chain(grad_u, z.to(acc_dtype), logit_scale, softcap).to(z.dtype)
+    return ce, argmax, _chain(grad_u, z.to(acc_dtype), logit_scale, softcap).to(z.dtype), lse_t
 
 
 # static shapes: a run has at most two chunk sizes (full and last), each compiled once (on first
@@ -119,18 +125,20 @@ class _ChunkedCE(torch.autograd.Function):
         argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
         topv = torch.empty(n, top_k, dtype=acc_dtype, device=hidden.device)
         topi = torch.empty(n, top_k, dtype=torch.long, device=hidden.device)
+        # the target's probabilities of the top-k ids (a soft label for a selector over them)
+        top_pt = torch.empty(n, top_k if teacher is not None else 0, dtype=acc_dtype, device=hidden.device)
         # d ce_row / d hidden_row, in the accumulation dtype (rounded once, after scaling)
         grad_ce = torch.empty(n, hidden.shape[1], dtype=acc_dtype, device=hidden.device) if need_grad else None
         for s in range(0, n, chunk_rows):
             e = min(s + chunk_rows, n)
             # the matmul runs in the weight's dtype (bf16 tables on GPU); statistics in >= fp32
             z = hidden[s:e].to(weight.dtype) @ weight.t()
+            zt = None
             if teacher is None:
                 ce_c, argmax_c, grad_z = stats(z, labels[s:e], logit_scale, softcap, need_grad)
             else:  # the target's logits of the same rows, through the same frozen head
                 zt = teacher[s:e].to(weight.dtype) @ weight.t()
-                ce_c, argmax_c, grad_z = soft(z, zt, labels[s:e], logit_scale, softcap, need_grad)
-                del zt
+                ce_c, argmax_c, grad_z, lse_t = soft(z, zt, labels[s:e], logit_scale, softcap, need_grad)
             ce[s:e] = ce_c
             argmax[s:e] = argmax_c
             if top_k > 0:
@@ -138,16 +146,20 @@ class _ChunkedCE(torch.autograd.Function):
                 v, i = topk_by_group_max(z, top_k, topk_group)
                 topv[s:e] = transform_logits(v.to(acc_dtype), logit_scale, softcap)
                 topi[s:e] = i
+                if zt is not None:
+                    ut = transform_logits(zt.gather(1, i).to(acc_dtype), logit_scale, softcap)
+                    top_pt[s:e] = torch.exp(ut - lse_t[:, None])
+            del zt
             if need_grad:
                 grad_ce[s:e] = (grad_z @ weight).to(acc_dtype)  # grad_z has z's (the weight's) dtype
             del z, grad_z
         ctx.save_for_backward(grad_ce, weight, topi, topv)
         ctx.cfg = (chunk_rows, logit_scale, softcap, hidden.dtype)
-        ctx.mark_non_differentiable(argmax, topi)
-        return ce, argmax, topv, topi
+        ctx.mark_non_differentiable(argmax, topi, top_pt)
+        return ce, argmax, topv, topi, top_pt
 
     @staticmethod
-    def backward(ctx, g_ce, _g_argmax, g_topv, _g_topi):
+    def backward(ctx, g_ce, _g_argmax, g_topv, _g_topi, _g_top_pt):
         grad_ce, weight, topi, topv = ctx.saved_tensors
         chunk_rows, logit_scale, softcap, hidden_dtype = ctx.cfg
         acc_dtype = grad_ce.dtype
@@ -229,6 +241,7 @@ def chunked_cross_entropy(
             (no gradient): the CE is then against ``softmax(softcap(logit_scale * teacher @
             weight.T))``, the target's own distribution, instead of the label; a row with a
             negative label still gets CE 0. The labels keep the argmax and top-k meaning.
+            With ``top_k``, ``teacher_topk`` holds that distribution at the top-k ids.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -247,8 +260,9 @@ def chunked_cross_entropy(
     if teacher is not None and (teacher.shape != hidden.shape or teacher.requires_grad):
         raise ValueError(f"chunked_cross_entropy: teacher {tuple(teacher.shape)} must be hidden's shape "
                          f"{tuple(hidden.shape)} and need no gradient")
-    ce, argmax, topv, topi = _ChunkedCE.apply(
+    ce, argmax, topv, topi, top_pt = _ChunkedCE.apply(
         hidden, weight, labels, int(chunk_rows), int(top_k), int(topk_group), float(logit_scale), float(softcap),
         teacher,
     )
-    return ChunkedCEOutput(ce=ce, argmax=argmax, topk_values=topv, topk_indices=topi)
+    return ChunkedCEOutput(ce=ce, argmax=argmax, topk_values=topv, topk_indices=topi,
+                           teacher_topk=top_pt if teacher is not None and top_k > 0 else None)

@@ -39,8 +39,9 @@ class DFlash2Args(BlockDiffusionArgs):
     soft_labels: bool = False
     """True: each slot's cross-entropy is against the target's distribution where it predicted the
     slot's token (as EAGLE-3 trains), which makes the job capture the target's final-norm hidden
-    states (the whole target runs); False: against the data's token (DFlash's definition). The
-    selector trains on the data's token either way."""
+    states (the whole target runs), and the selector's is against that distribution over its
+    candidates (at T > 0 the selector's distribution is the draft's q there, so a selector trained
+    on one token would sharpen q again); False: against the data's token (DFlash's definition)."""
     output_multiplier: float = 1.0
     """Logits = softcap(output_multiplier * lm_head(h)) (for CE, accuracy and the selector)."""
     final_logit_softcapping: float = 0.0

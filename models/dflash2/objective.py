@@ -37,7 +37,9 @@ def dflash_objective(
     sees). Their miss is visible in ``topk_recall`` and counts as wrong in ``selector_acc``.
     ``teacher_hidden [B, S, H]`` (the target's final-norm hidden states): each slot's CE is against
     the target's distribution where it predicted the slot's token (position ``a_n + k - 1``)
-    instead of the token itself; accuracy and the selector still read the data's token.
+    instead of the token itself, and the selector's CE is against that distribution over the
+    slot's candidates (renormalized), weighted by its mass on them instead of by the gold token
+    being one. Accuracies and recall still read the data's token.
     """
     bsz, n, b = blocks.labels.shape
     dim = hidden.shape[-1]
@@ -85,9 +87,18 @@ def dflash_objective(
         scores = selector(rows, prev, cand, unary)
         hit = cand == labels[:, None]
         in_topk = hit.any(dim=-1).to(acc_dtype)
-        target = hit.to(torch.long).argmax(dim=-1)  # 0 when missing; those rows get weight 0
-        sel_ce = torch.logsumexp(scores, dim=-1) - scores.gather(1, target[:, None]).squeeze(1)
-        sel_w = w * in_topk
+        lse = torch.logsumexp(scores, dim=-1)
+        if out.teacher_topk is None:
+            target = hit.to(torch.long).argmax(dim=-1)  # 0 when missing; those rows get weight 0
+            sel_ce = lse - scores.gather(1, target[:, None]).squeeze(1)
+            sel_w = w * in_topk
+        else:
+            # soft labels: the target's distribution over the candidates, renormalized, weighted
+            # by its mass there (the expectation of the hard rule's in-top-K weight)
+            inside = out.teacher_topk.sum(dim=-1)
+            pc = out.teacher_topk / inside.clamp_min(torch.finfo(acc_dtype).tiny)[:, None]
+            sel_ce = lse - (pc * scores).sum(dim=-1)
+            sel_w = w * inside
         sel_sum = (sel_w * sel_ce).sum()
         loss_sum = loss_sum + selector_alpha * sel_sum
         sel_correct = hit.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1).to(acc_dtype)

@@ -237,8 +237,8 @@ def test_topk_by_group_max_equals_torch_topk(dtype):
 @pytest.mark.parametrize("scale,cap", [(1.0, 0.0), (1.7, 3.0)])
 def test_chunked_ce_against_the_targets_distribution(scale, cap):
     """``teacher``: each row's CE against softmax of the target's logits through the same head
-    and transform, gradient included; ignored rows get 0; the compiled per-chunk form equals the
-    eager one."""
+    and transform, gradient included; ignored rows get 0; the target's probabilities of the
+    top-k ids; the compiled per-chunk form equals the eager one."""
     from models.common.cross_entropy import _soft_chunk_stats
 
     g = torch.Generator().manual_seed(4)
@@ -266,6 +266,8 @@ def test_chunked_ce_against_the_targets_distribution(scale, cap):
         torch.testing.assert_close(out.ce, ref.detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-10, atol=1e-12)
         assert out.ce[4] == 0 and torch.equal(out.argmax, transform(hidden @ weight.t()).argmax(-1))
+        # the target's probability of each of the draft's top-3 ids
+        torch.testing.assert_close(out.teacher_topk, pt.gather(1, out.topk_indices), rtol=1e-12, atol=1e-15)
     # not the label's CE: the two differ on these rows
     hard = chunked_cross_entropy(hidden, weight, labels, chunk_rows=64, logit_scale=scale, softcap=cap)
     assert (hard.ce - out.ce).abs().max() > 0.1

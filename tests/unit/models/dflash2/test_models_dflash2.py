@@ -202,7 +202,12 @@ def _reference(model, f, anchors, keep, alpha):
                     ]
                 )
                 hits = (topi == label).nonzero()
-                if len(hits):
+                if a.soft_labels:  # the target's distribution over the candidates, by its mass there
+                    inside = pt[topi].sum()
+                    sel_ce = -(pt[topi] / inside * torch.log_softmax(scores, -1)).sum()
+                    loss = loss + alpha * w * inside * sel_ce
+                    add("selector_ce", w * inside * sel_ce.detach(), w * inside)
+                elif len(hits):
                     sel_ce = -torch.log_softmax(scores, -1)[hits[0, 0]]
                     loss = loss + alpha * w * sel_ce
                     add("selector_ce", w * sel_ce.detach(), w)
