@@ -83,7 +83,7 @@ def bucket_of(x: float, edges) -> int:
 
 
 def bucket_ids(decodes: list[dict], edges) -> list[list[int]]:
-    """Each prompt's positions' buckets, worked out once for every term and bucket read."""
+    """Each prompt's positions' buckets, worked out once for every term, bucket and mix read."""
     return [[bucket_of(x, edges) for x in d["target_top1"]] for d in decodes]
 
 
@@ -103,12 +103,13 @@ def _mean(prompts: list[dict]) -> float | None:
     return sum(p["round_tokens"] for p in prompts) / n if n else None
 
 
-def build_table(reports: dict[str, list[dict]], reference: str, edges=EDGES) -> dict:
+def build_table(reports: dict[str, list[dict]], reference: str, ids: dict[str, list[list[int]]],
+                edges=EDGES) -> dict:
     """One row per bucket and one over all positions: positions, each label's acceptance and argmax
-    agreement, each other label's acceptance less the reference's (paired)."""
+    agreement, each other label's acceptance less the reference's (paired); ``ids``: each label's
+    :func:`bucket_ids`."""
     if reference not in reports:
         raise CompareError(f"--reference {reference!r} is not one of the labels ({', '.join(reports)})")
-    ids = {x: bucket_ids(d, edges) for x, d in reports.items()}
     rows = []
     for k in [*range(len(edges) - 1), None]:
         accept = {x: per_prompt(d, "accept", k, ids[x]) for x, d in reports.items()}
@@ -130,18 +131,18 @@ def mix_weights(spec: str, edges=EDGES) -> tuple[str, list[float]]:
     if not sep or not sep2 or not name or not path:
         raise CompareError(f"--mix {spec!r}: expected NAME=REPORT:CONTEXT")
     counts = [0] * (len(edges) - 1)
-    for d in read_decodes(path, context):
-        for x in d["target_top1"]:
-            counts[bucket_of(x, edges)] += 1
+    for buckets in bucket_ids(read_decodes(path, context), edges):
+        for k in buckets:
+            counts[k] += 1
     if not sum(counts):
         raise CompareError(f"--mix {spec!r}: the report has no positions")
     return name, [c / sum(counts) for c in counts]
 
 
-def reweighted(reports: dict[str, list[dict]], reference: str, name: str, weights: list[float], edges=EDGES) -> dict:
+def reweighted(reports: dict[str, list[dict]], reference: str, ids: dict[str, list[list[int]]], name: str,
+               weights: list[float], edges=EDGES) -> dict:
     """Each label's acceptance with its buckets weighted by ``weights``, and each other label's
     difference from the reference so weighted, paired on the prompts (one resample for all buckets)."""
-    ids = {x: bucket_ids(d, edges) for x, d in reports.items()}
     accept = {x: [per_prompt(d, "accept", k, ids[x]) for k in range(len(weights))] for x, d in reports.items()}
     empty = [k for k, w in enumerate(weights) if w > 0 and not any(p["rounds"] for p in accept[reference][k])]
     if empty:
@@ -198,8 +199,9 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         reports = load(a.reports, a.context)
-        table = build_table(reports, a.reference or next(iter(reports)))
-        mixes = [reweighted(reports, table["reference"], *mix_weights(spec)) for spec in a.mix]
+        ids = {x: bucket_ids(d, EDGES) for x, d in reports.items()}
+        table = build_table(reports, a.reference or next(iter(reports)), ids)
+        mixes = [reweighted(reports, table["reference"], ids, *mix_weights(spec)) for spec in a.mix]
     except CompareError as e:
         print(f"compare_first_token: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -39,7 +39,6 @@ from titan_draft.decoding.sampling import plain_decode  # noqa: E402
 from titan_draft.eval import build_proposer, build_run_prompts, parse_proposer_options, resolve_device  # noqa: E402
 
 
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python scripts/first_token.py", description=__doc__.split("\n\n")[0])
     add_read_args(p, draft_help="an export folder (or a DCP step folder, with --draft-name)")
