@@ -35,7 +35,7 @@ def _report(folder: str, mesh=None) -> dict:
     draft.init_weights()
     draft.load_frozen_tables(target.embed_weight(), target.lm_head_weight())
     prompts = [EvalPrompt(f"p{i}", p) for i, p in enumerate(PROMPTS)]
-    report = evaluate(target, DFlashProposer(draft.eval()), prompts, max_new_tokens=12, stop_ids=[],
+    report = evaluate(target, DFlashProposer(draft.eval()), prompts, max_new_tokens=6, stop_ids=[],
                       device=torch.device("cpu"))
     out = report.to_json()
     for p in out["prompts"]:  # timings differ between runs
