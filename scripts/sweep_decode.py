@@ -55,6 +55,23 @@ def settings(options: list[tuple[str, list[str]]]) -> list[list[str]]:
     return [[]] + combos
 
 
+def check_settings(a, grid: list[list[str]]) -> None:
+    """Every setting against the draft's proposer before anything is decoded: a bad value in the
+    last setting must not wait for the first ones' decodes."""
+    from titan_draft.checkpoint.draft_source import draft_spec
+    from titan_draft.eval import check_proposer_options, parse_proposer_options
+
+    try:
+        spec = draft_spec(a.draft, None)
+    except ValueError as e:
+        raise SweepError(str(e)) from None
+    for setting in grid:
+        try:
+            check_proposer_options(spec, parse_proposer_options(setting))
+        except ValueError as e:
+            raise SweepError(f"{' '.join(setting)}: {e}") from None
+
+
 def eval_command(a, setting: list[str], out_json: str) -> list[str]:
     cmd = [sys.executable, "-m", "titan_draft.eval", "--target", a.target, "--draft", a.draft,
            "--prompts", a.prompts, "--num-prompts", str(a.num_prompts), "--max-new-tokens", str(a.max_new_tokens),
@@ -120,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         grid = settings(parse_options(a.option))
+        check_settings(a, grid)
         os.makedirs(a.out, exist_ok=True)
         rows = []
         for i, setting in enumerate(grid):

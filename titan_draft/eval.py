@@ -55,7 +55,8 @@ def _parse(argv):
                    help="target and draft dtype (float32: the lossless check is exact)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda")
     p.add_argument("--chat-template", default=None, help="default: the training run's")
-    p.add_argument("--system-prompt", default=None, help="'auto' (the template's own), text, or '' (default: the training run's)")
+    p.add_argument("--system-prompt", default=None,
+                   help="'auto' (the template's own), text, or '' (default: the training run's)")
     p.add_argument("--enable-thinking", default=None, choices=["true", "false"], help="default: the training run's")
     p.add_argument("--data-source", default=None, help="for 'holdout' (default: the training run's)")
     p.add_argument("--holdout-rows", type=int, default=None, help="for 'holdout' (default: the training run's)")
@@ -146,6 +147,10 @@ def check_proposer_options(spec, options: dict) -> None:
         params = inspect.signature(spec.build_proposer_fn, eval_str=True).parameters
     except (TypeError, ValueError, NameError):
         return
+    named = [n for n, q in params.items() if q.kind in (q.POSITIONAL_OR_KEYWORD, q.KEYWORD_ONLY)][1:]  # not the draft
+    unknown = sorted(set(options) - set(named))
+    if unknown and not any(q.kind is q.VAR_KEYWORD for q in params.values()):
+        raise ValueError(f"--proposer-option: draft {spec.name!r} does not take {unknown} (it takes {named})")
     for key, value in options.items():
         hint = params[key].annotation if key in params else inspect.Parameter.empty
         allowed = () if hint is inspect.Parameter.empty else _option_types(hint)

@@ -46,10 +46,15 @@ def test_each_setting_is_decoded_and_the_plain_decodes_shared(export_dir, random
 @pytest.mark.parametrize("extra,want", [
     (("--option", "graph_commit"), "--option 'graph_commit': expected KEY=V1[,V2...]"),
     (("--option", "graph_commit=true", "--option", "graph_commit=false"), "--option graph_commit: given twice"),
-    (("--option", "graph_commit=False"), "graph_commit=False: titan_draft.eval: error: --proposer-option "
-                                         "graph_commit='False': draft 'dflash2' takes bool or null there"),
+    # the bad value in the last setting: refused before the first one is decoded
+    (("--option", "graph_commit=true,False"), "graph_commit=False: --proposer-option "
+                                              "graph_commit='False': draft 'dflash2' takes bool or null there"),
+    (("--option", "num_draft_tokens=3"), "num_draft_tokens=3: --proposer-option: draft 'dflash2' does not take "
+                                         "['num_draft_tokens'] (it takes ['max_len', 'graphs', 'graph_commit', "
+                                         "'outside_candidates'])"),
 ])
 def test_bad_input_is_refused_in_one_line(export_dir, random_target_dir, tmp_path, extra, want):
     proc = _sweep(random_target_dir, export_dir, tmp_path, *extra)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"sweep_decode: error: {want}"), proc.stderr
+    assert not list(tmp_path.glob("setting_*")), "an eval ran before the request was checked"
