@@ -1,6 +1,6 @@
 """HSDP (parallelism.data_parallel_replicate_degree x data_parallel_shard_degree) on 4 gloo ranks:
-the same losses as FSDP over the 4 ranks, exact kill-and-resume, and FSDP checkpoints resume
-under HSDP; plus the layout's validation."""
+the same losses as FSDP over the 4 ranks, an exact resume from an HSDP checkpoint, and FSDP
+checkpoints resume under HSDP; plus the layout's validation."""
 
 from __future__ import annotations
 
