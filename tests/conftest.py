@@ -36,14 +36,27 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _shared_root(tmp_path_factory):
+    """This run's temp folder that every pytest-xdist worker sees."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the workers' folders share it
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tokenizer_cache(tmp_path_factory):
+    """Checked tokenizer.json files are cached in this run's shared temp folder, not the user's
+    ~/.cache; the trainers, evals and ranks the tests start inherit it."""
+    from titan_draft.data.tokenizer.disk_cache import CACHE_ENV
+
+    os.environ[CACHE_ENV] = str(_shared_root(tmp_path_factory) / "shared-cache")
+
+
 def _built_once(tmp_path_factory, name: str, build: Callable[[str], object]) -> str:
     """``<root>/<name>``, made by ``build(path)`` once per pytest run: under pytest-xdist every
     worker runs each session fixture itself, so the workers share one folder (their common
     base temp folder), and a lock makes the others wait for the first one's build. A build cut
     short leaves no ``.done`` mark, and the next one starts over."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # what the workers' own base folders share
+    root = _shared_root(tmp_path_factory)
     path = str(root / f"shared-{name}")
     with open(str(root / f"shared-{name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes

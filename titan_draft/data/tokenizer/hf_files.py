@@ -14,6 +14,7 @@ import glob
 import os
 
 from titan_draft.components.json_file import read_json_object
+from titan_draft.data.tokenizer.disk_cache import cached_tokenizer_json
 from titan_draft.data.tokenizer.hf import (
     _TIKTOKEN_FAMILIES,
     TokenizerFiles,
@@ -292,7 +293,7 @@ def load_tokenizer_files(path: str) -> TokenizerFiles:
     """
     bpe_path, cfg_path = find_tokenizer_files(path)
     if bpe_path.endswith(".json"):
-        files = _read_tokenizer_json(bpe_path)
+        files = cached_tokenizer_json(bpe_path, _read_tokenizer_json)
     else:
         ranks = load_tiktoken_ranks(bpe_path)
         check_ranks(bpe_path, ranks)
