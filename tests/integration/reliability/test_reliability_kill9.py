@@ -46,7 +46,7 @@ _DRIVER = textwrap.dedent("""
 
 
 def _run(argv, kill_step, in_save):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")]), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
     return subprocess.run([sys.executable, "-c", _DRIVER, str(kill_step), "save" if in_save else "step", *argv],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 

@@ -34,7 +34,7 @@ NEW = 24
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
     tok = build_tokenizer(smollm2_dir)
-    prompts = load_eval_prompts(["mtbench"], tok, template="chatml", enable_thinking=False, num_prompts=3,
+    prompts = load_eval_prompts(["mtbench"], tok, template="chatml", enable_thinking=False, num_prompts=2,
                                 system_prompt="You are a helpful AI assistant named SmolLM, trained by Hugging Face")
     return load_target(smollm2_dir, dtype=torch.float32), tok, prompts
 
@@ -49,7 +49,7 @@ def test_random_draft_is_lossless(smollm2):
     draft.load_frozen_tables(target.embed_weight(), target.lm_head_weight())
     report = evaluate(target, DFlashProposer(draft.eval()), prompts, max_new_tokens=NEW,
                       stop_ids=stop_token_ids(tok, "chatml"), device=CPU)
-    assert report.lossless == 3 and report.tau >= 1.0
+    assert report.lossless == 2 and report.tau >= 1.0
 
 
 class AlmostRight(GreedyDrafter):
@@ -139,7 +139,7 @@ def test_random_eagle3_draft_is_lossless(smollm2):
     draft.load_frozen_tables(target.embed_weight(), target.lm_head_weight())
     report = evaluate(target, Eagle3Proposer(draft.eval()), prompts, max_new_tokens=NEW,
                       stop_ids=stop_token_ids(tok, "chatml"), device=CPU)
-    assert report.lossless == 3 and report.num_draft_tokens == 3
+    assert report.lossless == 2 and report.num_draft_tokens == 3
 
 
 def test_random_dspark_draft_is_lossless(smollm2, kind="gated", threshold=0.3):
@@ -160,7 +160,7 @@ def test_random_dspark_draft_is_lossless(smollm2, kind="gated", threshold=0.3):
         draft.confidence_head.proj.bias.fill_(1.0)
     draft.load_frozen_tables(target.embed_weight(), target.lm_head_weight())
     proposer = DSparkProposer(draft.eval(), confidence_threshold=threshold)
-    report = evaluate(target, proposer, prompts[:2], max_new_tokens=NEW, stop_ids=stop_token_ids(tok, "chatml"),
+    report = evaluate(target, proposer, prompts, max_new_tokens=NEW, stop_ids=stop_token_ids(tok, "chatml"),
                       device=CPU)
     assert report.lossless == 2 and report.num_draft_tokens == 4
     assert 0 < report.summary()["proposed_per_round"] < 4.0  # the threshold cut some proposals short

@@ -35,7 +35,7 @@ def _args(dump, data, *extra):
 def test_debug_job_learns_and_exports(tmp_path, chat_jsonl):
     argv = _args(
         tmp_path, chat_jsonl,
-        "--training.steps", "40", "--checkpoint.interval", "20",
+        "--training.steps", "30", "--checkpoint.interval", "15",
         "--metrics.enable_tensorboard", "true", "--profiling.enable_profiling", "true",
         "--profiling.profile_freq", "10",
     )
@@ -43,20 +43,20 @@ def test_debug_job_learns_and_exports(tmp_path, chat_jsonl):
     # Paired control: the same batches and anchors with a zero learning rate. The random-weight
     # target carries no next-token signal, so the draft can only learn token statistics and
     # copying; the fall is modest, and the pairing removes the batch-to-batch noise.
-    control = _run(_args(tmp_path / "control", chat_jsonl, "--training.steps", "40",
+    control = _run(_args(tmp_path / "control", chat_jsonl, "--training.steps", "30",
                          "--optimizer.lr", "0", "--checkpoint.enable", "false"))
     assert all(math.isfinite(v) for v in losses.values())
-    window = range(31, 41)
+    window = range(21, 31)  # trained 12.03 against 12.42 frozen (torch 2.13, CPU): a margin of 0.09
     trained = sum(losses[s] for s in window) / len(window)
     frozen = sum(control[s] for s in window) / len(window)
     assert trained < frozen - 0.3, (trained, frozen)
-    assert losses[40] < losses[1]
+    assert losses[30] < losses[1]
 
     export = tmp_path / "export"
     tensors, config = load_export(str(export))
     assert config["architectures"] == ["DFlash2DraftModel"]
     assert all(not any(b in k for b in BAD_FRAGMENTS) for k in tensors)
-    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-20", "step-40"]
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-15", "step-30"]
     assert any(f.startswith("events") for _, _, fs in os.walk(tmp_path / "tb") for f in fs)
     traces = [f for _, _, fs in os.walk(tmp_path / "profile_traces") for f in fs]
     assert any(f.startswith("rank0_trace") for f in traces), traces
