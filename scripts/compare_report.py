@@ -77,6 +77,15 @@ def build_row(folder: str, label: str, info: dict, temperatures: list[float], sp
     return row
 
 
+def _overrun(row: dict) -> str:
+    """``label (T of B min; median step X ms, the calibration's Y)``."""
+    text = f"{row['label']} ({row['training_min']:.2f} of {row['budget_min']:g} min"
+    cal = (row.get("plan") or {}).get("calibration_median_step_ms")
+    if cal and row.get("median_step_ms"):
+        text += f"; median step {row['median_step_ms']:.1f} ms, the calibration's {cal:.1f}"
+    return text + ")"
+
+
 def _num(value, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
 
@@ -140,9 +149,11 @@ def render_markdown(rows: list[dict], meta: dict, compared: tuple[list[dict], li
         cells += [_num(s.get("speculative_tokens_per_s"), ".1f"), _num(s.get("plain_tokens_per_s"), ".1f"),
                   _num(s.get("ratio"), ".2f") + ("×" if s.get("ratio") is not None else "")]
         lines.append("| " + " | ".join(cells) + " |")
-    over = [r["label"] for r in rows if r["training_min"] is not None and r["training_min"] > r["budget_min"]]
+    over = [r for r in rows if r["training_min"] is not None and r["training_min"] > r["budget_min"]]
     if over:
-        lines += ["", f"Over the budget: {', '.join(over)} (a slower step or save than the calibration's)."]
+        lines += ["", "Over the budget: " + ", ".join(_overrun(r) for r in over) + ". A step slower than the "
+                  "calibration's is another process on the GPU (comparisons run one at a time: docs/compare.md) or "
+                  "a slower machine; such a row had more time than the others."]
     resumed = [f"{r['label']} ({r['attempts']})" for r in rows if (r.get("attempts") or 1) > 1]
     if resumed:
         lines += ["", f"Trained in several attempts (training min sums them): {', '.join(resumed)}."]
@@ -263,7 +274,8 @@ def render_intervals(rows: list[dict], meta: dict, pairs: list[dict]) -> list[st
         iv = r["evals"][t]["tau_interval"]
         lines.append(f"| {t} | {r['label']} | {iv['tau']:.3f} | {iv['low']:.3f} to {iv['high']:.3f} |")
     if pairs:
-        lines += ["", "| T | difference | τ a − τ b | interval | a ahead in | order |", "| --- | --- | --- | --- | --- | --- |"]
+        lines += ["", "| T | difference | τ a − τ b | interval | a ahead in | order |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for p in pairs:
             name = f"{p['a']} − {p['b']}"
             if "not_paired" in p:

@@ -118,8 +118,10 @@ def test_the_table_row_comes_from_the_training_record_and_the_eval_reports(tmp_p
     meta = {"view": "recipes", "minutes": 6.0, "calibration_steps": 60, "prompts": "mtbench",
             "max_new_tokens": 256, "temperatures": [0.0, 1.0], "seed": 0, "speed_dtype": "bfloat16", "date": "d"}
     md = render_markdown([row], meta)
-    cells = [c.strip() for c in next(ln for ln in md.splitlines() if ln.startswith("| dspark_smollm2")).strip("|").split("|")]
-    head = [c.strip() for c in next(line for line in md.splitlines() if line.startswith("| draft")).strip("|").split("|")]
+    def cells_of(start):
+        return [c.strip() for c in next(ln for ln in md.splitlines() if ln.startswith(start)).strip("|").split("|")]
+
+    cells, head = cells_of("| dspark_smollm2"), cells_of("| draft")
     got = dict(zip(head, cells))
     assert got["draft"] == "dspark_smollm2" and got["steps"] == "900" and got["training min"] == "5.75"
     assert got["setup s"] == f"{345.0 - 900 * 0.0815:.0f}"  # the job's time outside its steps
@@ -135,6 +137,25 @@ def test_a_missing_report_leaves_its_cells_empty(tmp_path):
     meta = {"view": "recipes", "minutes": 6.0, "calibration_steps": 60, "prompts": "mtbench",
             "max_new_tokens": 256, "temperatures": [0.0, 1.0], "seed": 0, "date": "d"}
     assert render_markdown([row], meta).splitlines()[-1].count("–") == 12
+
+
+def test_a_row_over_its_budget_is_named_with_its_step_against_the_calibrations(tmp_path):
+    """Four jobs sharing one GPU each calibrated under another share than their training got
+    (2026-12-07): the table must say which rows had more time, and why that may be."""
+    meta = {"view": "recipes", "minutes": 7.0, "calibration_steps": 60, "prompts": "mtbench",
+            "max_new_tokens": 256, "temperatures": [0.0], "seed": 0, "date": "d"}
+    rows = []
+    for label, wall, step in (("shared", 636.0, 227.0), ("alone", 400.0, 120.5)):
+        folder = tmp_path / label
+        folder.mkdir()
+        (folder / "train.json").write_text(json.dumps({"steps": 2855, "wall_s": wall, "median_step_ms": step}))
+        (folder / "plan.json").write_text(json.dumps({"predicted_job_s": 407.4, "calibration": {
+            "median_step_s": 0.1199, "setup_s": 62.5, "save_s": 1.3}}))
+        rows.append(build_row(str(folder), label, {"budget_min": 7.0}, [0.0], None))
+    (note,) = [line for line in render_markdown(rows, meta).splitlines() if line.startswith("Over the budget")]
+    assert note.startswith("Over the budget: shared (10.60 of 7 min; median step 227.0 ms, the calibration's 119.9). ")
+    assert "another process on the GPU" in note and "alone" not in note
+    assert not any(line.startswith("Over the budget") for line in render_markdown(rows[1:], meta).splitlines())
 
 
 # ---- the runs of a view ----
