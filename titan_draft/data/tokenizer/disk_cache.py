@@ -75,13 +75,15 @@ def cached_tokenizer_json(path: str, read: Callable):
     tmp = None
     try:
         os.makedirs(os.path.dirname(entry), exist_ok=True)
+        # a name of its own: ranks of one job may write the same entry at once
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(entry), suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             pickle.dump(files, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, entry)  # whole or absent, whichever process writes it
+        os.replace(tmp, entry)  # whole or absent
     except OSError as e:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
         _warn_once(f"tokenizer cache: cannot write under {root} ({e}); each process checks the tokenizer "
                    f"again (set {CACHE_ENV} to a writable folder, or to 'off')")
+    finally:  # a failed or interrupted write leaves no temporary file behind
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
     return files

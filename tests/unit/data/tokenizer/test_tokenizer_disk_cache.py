@@ -95,3 +95,16 @@ def test_off_and_an_unwritable_folder(tmp_path, monkeypatch, caplog):
     assert load_tokenizer_files(path) == expected
     assert "tokenizer cache: cannot write under" in caplog.text
     assert not (tmp_path / "file.tmp").exists() and sorted(os.listdir(tmp_path)) == ["file", "tokenizer.json"]
+
+
+def test_an_interrupted_write_leaves_no_temporary_file(cache, tmp_path, monkeypatch):
+    root, calls = cache
+    path = write_json(tmp_path, tiny_json())
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(disk_cache.pickle, "dump", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load_tokenizer_files(path)
+    assert _entries(root) == []  # neither an entry nor a .tmp
