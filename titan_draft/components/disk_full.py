@@ -17,6 +17,7 @@ import errno
 import os
 import shutil
 import threading
+import uuid
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # What the errno-less wrappers keep of ENOSPC / EDQUOT: strerror's text, or the zip writer's own
@@ -142,22 +143,24 @@ def disk_full_line(path: str, *, needed: int | str | None = None, free: int | No
     return f"disk full on {where} ({have} free, {need} needed)"
 
 
-def write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: a full disk (or a kill)
-    leaves the previous file whole, never truncated; the temporary file goes too."""
-    tmp = f"{path}.tmp"
+def write_atomic(path: str, data: str | bytes) -> None:
+    """Write ``data`` (text as UTF-8, or bytes) to ``path`` through a temporary file and a rename: a
+    full disk (or a kill) leaves the previous file whole, never truncated; the temporary file goes
+    too. The temporary name is the writer's own, so processes writing the same path at once each
+    rename a whole file (the last one wins) instead of truncating each other's."""
+    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:  # a name of its own; the umask's permissions, like the file it replaces
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
+    finally:  # a failed or interrupted write leaves no temporary file behind
+        if os.path.lexists(tmp):
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
 
 
 def quiet_writer_thread_disk_full() -> None:

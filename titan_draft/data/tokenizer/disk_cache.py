@@ -19,8 +19,9 @@ import hashlib
 import logging
 import os
 import pickle
-import tempfile
 from typing import Callable
+
+from titan_draft.components.disk_full import write_atomic
 
 logger = logging.getLogger("titan_draft")
 
@@ -72,18 +73,11 @@ def cached_tokenizer_json(path: str, read: Callable):
     except Exception as e:  # a cut-off or foreign file: checked again and written over
         _warn_once(f"tokenizer cache: {entry} is unreadable ({type(e).__name__}); checking {path} again")
     files = read(path)
-    tmp = None
     try:
         os.makedirs(os.path.dirname(entry), exist_ok=True)
-        # a name of its own: ranks of one job may write the same entry at once
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(entry), suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(files, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, entry)  # whole or absent
+        # whole or absent; ranks of one job writing the same entry at once each rename their own file
+        write_atomic(entry, pickle.dumps(files, protocol=pickle.HIGHEST_PROTOCOL))
     except OSError as e:
         _warn_once(f"tokenizer cache: cannot write under {root} ({e}); each process checks the tokenizer "
                    f"again (set {CACHE_ENV} to a writable folder, or to 'off')")
-    finally:  # a failed or interrupted write leaves no temporary file behind
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
     return files

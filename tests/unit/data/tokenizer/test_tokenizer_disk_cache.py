@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from titan_draft.components import disk_full
 from titan_draft.data.tokenizer import disk_cache, hf_files
 from titan_draft.data.tokenizer.hf_files import load_tokenizer_files
 from test_data_tokenizer_hf import tiny_json, write_json
@@ -104,7 +105,7 @@ def test_an_interrupted_write_leaves_no_temporary_file(cache, tmp_path, monkeypa
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(disk_cache.pickle, "dump", interrupted)
+    monkeypatch.setattr(disk_full.os, "fsync", interrupted)  # the temporary file is open, half written
     with pytest.raises(KeyboardInterrupt):
         load_tokenizer_files(path)
     assert _entries(root) == []  # neither an entry nor a .tmp
