@@ -41,7 +41,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # runnable from a checkout without an install
     sys.path.insert(0, REPO)
 
-from scripts.compare_plan import (
+from scripts.compare.plan import (
     BudgetError,
     Calibration,
     build_calibration,
@@ -50,13 +50,13 @@ from scripts.compare_plan import (
     read_run_metrics,
     summarize_run,
 )
-from scripts.compare_report import (
+from scripts.compare.report import (
     build_row,
     eval_report_name,
     speed_source,
     write_table,
 )
-from scripts.compare_jobs import (
+from scripts.compare.jobs import (
     LOG_PATH,
     Interrupted,
     changed_settings,
@@ -68,7 +68,7 @@ from scripts.compare_jobs import (
     settings_changes,
     write_json,
 )
-from scripts.compare_runs import DEFAULT_CONFIGS, CompareError, build_runs, own_args, parse_ablations, parse_seeds
+from scripts.compare.runs import DEFAULT_CONFIGS, CompareError, build_runs, own_args, parse_ablations, parse_seeds
 from titan_draft.checkpoint.export import exported_step
 
 

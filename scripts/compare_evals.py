@@ -37,7 +37,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.compare_report import (  # noqa: E402
+from scripts.compare.report import (  # noqa: E402
     format_difference,
     format_positions,
     render_across_seeds,

@@ -28,7 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.compare_report import format_difference, write_markdown  # noqa: E402
+from scripts.compare.report import format_difference, write_markdown  # noqa: E402
 from titan_draft.decoding.first_token import TOP1_EDGES as EDGES  # noqa: E402
 from titan_draft.decoding.first_token import top1_bucket  # noqa: E402
 from titan_draft.decoding.tau_interval import paired_contrast, paired_difference  # noqa: E402

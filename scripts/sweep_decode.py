@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # runnable from a checkout without an install
     sys.path.insert(0, REPO)
 
-from scripts.compare_jobs import Interrupted, last_line, run_logged  # noqa: E402
+from scripts.compare.jobs import Interrupted, last_line, run_logged  # noqa: E402
 
 
 class SweepError(Exception):

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from scripts import compare_drafts, compare_runs
+from scripts import compare_drafts
+from scripts.compare import runs as compare_runs
 from compare_fakes import flat_config
 from helpers import REPO
 

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts import compare_drafts, compare_runs
-from scripts.compare_plan import (BudgetError, Calibration, RunMetrics, build_calibration, choose_steps,
+from scripts import compare_drafts
+from scripts.compare import runs as compare_runs
+from scripts.compare.plan import (BudgetError, Calibration, RunMetrics, build_calibration, choose_steps,
                                   read_run_metrics)
-from scripts.compare_report import build_row, eval_report_name, render_markdown
+from scripts.compare.report import build_row, eval_report_name, render_markdown
 from titan_draft.protocols import get_model_spec
 from compare_fakes import FakeJobs, eval_report, write_tb
 from helpers import REPO

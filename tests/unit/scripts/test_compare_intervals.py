@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import random
 
-from scripts.compare_report import build_row, eval_report_name, paired_comparisons, render_markdown, write_table
+from scripts.compare.report import build_row, eval_report_name, paired_comparisons, render_markdown, write_table
 from titan_draft.decoding.tau_interval import paired_difference
 from compare_fakes import prompt_report
 

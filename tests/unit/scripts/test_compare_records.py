@@ -9,7 +9,8 @@ import os
 import shutil
 
 
-from scripts import compare_drafts, compare_jobs
+from scripts import compare_drafts
+from scripts.compare import jobs as compare_jobs
 from compare_fakes import FakeJobs
 from helpers import REPO
 

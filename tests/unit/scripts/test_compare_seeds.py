@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from scripts import compare_drafts, compare_runs
+from scripts import compare_drafts
+from scripts.compare import runs as compare_runs
 from titan_draft.decoding.tau_interval import across_seeds
 from compare_fakes import FakeJobs, flat_config, prompt_report
 from helpers import REPO

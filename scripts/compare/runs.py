@@ -16,7 +16,7 @@ from titan_draft.config import ConfigManager, validate_job_config
 from titan_draft.config.manager import ConfigError
 from titan_draft.features.target import check_target_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
 DEFAULT_CONFIGS = ",".join(f"train_configs/{d}_smollm2.toml" for d in ("eagle3", "dflash2", "dspark"))
 # Keys the comparison sets itself: an override of one would change what is compared.

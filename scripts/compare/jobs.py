@@ -11,7 +11,7 @@ import shlex
 import subprocess
 import time
 
-from scripts.compare_runs import REPO, CompareError
+from scripts.compare.runs import REPO, CompareError
 
 LOG_PATH: list[str] = []  # <out>/compare.log once the out folder is known
 
