@@ -12,6 +12,7 @@ import subprocess
 import time
 
 from scripts.compare.runs import REPO, CompareError
+from titan_draft.components.disk_full import write_atomic
 
 LOG_PATH: list[str] = []  # <out>/compare.log once the out folder is known
 
@@ -71,10 +72,7 @@ def read_json(path: str) -> dict | None:
 
 
 def write_json(path: str, value: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=2)
-    os.replace(tmp, path)  # a stage's record is whole or absent
+    write_atomic(path, json.dumps(value, indent=2))  # a stage's record is whole or absent
 
 
 def portable(value):

@@ -24,6 +24,7 @@ import json
 import os
 from typing import Any
 
+from titan_draft.components.disk_full import write_atomic
 from titan_draft.data.chat.template import render_chat
 from titan_draft.data.features.shards import FORMAT, file_sha256
 from titan_draft.data.sources.rows import normalize_row
@@ -182,9 +183,4 @@ def read_rank_index(folder: str, rank: int) -> list[dict[str, Any]]:
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1))
